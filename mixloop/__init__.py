@@ -1,0 +1,18 @@
+"""mixloop: explicit mixed-precision training for TensorFlow 2 and Keras 3."""
+
+from mixloop.layer_precision import build_model, keep_float32_layers
+from mixloop.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, all_finite
+from mixloop.policy import Policy
+from mixloop.step import TrainStep
+
+__all__ = [
+    "DynamicLossScale",
+    "NoLossScale",
+    "Policy",
+    "StaticLossScale",
+    "TrainStep",
+    "all_finite",
+    "build_model",
+    "keep_float32_layers",
+]
+__version__ = "0.1.0"

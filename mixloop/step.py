@@ -1,0 +1,189 @@
+"""The train step: one optimizer update from `accumulation_steps` micro-batches in explicit mixed precision.
+
+The order of operations, once per call::
+
+    split the batch into k micro-batches
+    for each micro-batch:
+        cast floating inputs to the compute dtype; forward in the compute dtype
+        cast outputs to float32; loss in float32, as (loss_sum, weight)
+        scale the loss; differentiate; unscale the gradients into float32; add to the accumulators
+    average the accumulated gradients by the total weight (over micro-batches and replicas)
+    check finiteness once; take the global norm; clip the true (unscaled) gradient
+    apply the update to the float32 master weights, or skip it and roll back non-trainable state
+    adjust the loss scale; report float32/bool metrics
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import keras
+import tensorflow as tf
+
+from mixloop.loss_scale import NoLossScale, _LossScale, all_finite
+from mixloop.policy import Policy
+
+Batch = Any
+LossOutput = Union[tf.Tensor, tuple[tf.Tensor, tf.Tensor]]
+
+
+def default_input_fn(batch: Batch) -> Any:
+    """Keras's convention: a tuple `(inputs, targets, ...)` feeds its first element to the model."""
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
+    """Reshapes every tensor of `batch` from [B, ...] to [k, B/k, ...] (no copy).
+
+    Raises:
+      ValueError: when a static batch dimension is not divisible by `num_micro_batches`.
+    """
+
+    def split(tensor):
+        size = tensor.shape[0]
+        if size is not None and size % num_micro_batches:
+            raise ValueError(
+                f"batch dimension {size} is not divisible by accumulation_steps={num_micro_batches}"
+            )
+        micro_size = -1 if size is None else size // num_micro_batches
+        return tf.reshape(tensor, tf.concat([[num_micro_batches, micro_size], tf.shape(tensor)[1:]], 0))
+
+    return tf.nest.map_structure(split, batch)
+
+
+def as_sum_and_weight(loss: LossOutput) -> tuple[tf.Tensor, tf.Tensor]:
+    """Reads a loss function's result: a mean counts as a sum of weight 1, a pair is (sum, weight)."""
+    if isinstance(loss, (tuple, list)):
+        loss_sum, weight = loss
+        return tf.cast(loss_sum, tf.float32), tf.cast(weight, tf.float32)
+    return tf.cast(loss, tf.float32), tf.constant(1.0, tf.float32)
+
+
+class TrainStep:
+    """A compiled train step: forward, scaled backward, accumulation, finiteness check, update.
+
+    Calling it with one batch of the global batch size (per replica, under a distribution strategy)
+    splits the batch into `accumulation_steps` micro-batches and performs at most one optimizer
+    update. It returns a dict of scalars: `loss` (float32, unscaled, averaged by weight over the
+    micro-batches), `loss_scale` (the scale used), `grads_finite` (bool), `grad_norm` (float32, of the
+    unscaled averaged gradient before clipping), `applied` (bool) and `weight` (the total loss weight).
+
+    A non-finite gradient skips the update through a graph conditional: model variables (including
+    BatchNorm statistics), optimizer slots and the optimizer's iteration count stay bit-identical,
+    so learning-rate schedules and weight decay advance once per applied update.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer,
+        loss_fn: Callable[[Any, Batch], LossOutput],
+        policy: Policy,
+        loss_scale: Optional[_LossScale] = None,
+        accumulation_steps: int = 1,
+        clip_global_norm: Optional[float] = None,
+        jit_compile: bool = False,
+        input_fn: Callable[[Batch], Any] = default_input_fn,
+    ):
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps!r}")
+        if clip_global_norm is not None and not clip_global_norm > 0:
+            raise ValueError(f"clip_global_norm must be positive or None, got {clip_global_norm!r}")
+        if not model.trainable_variables:
+            raise ValueError("the model has no trainable variables yet: build it before the step")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.policy = policy
+        self.loss_scale = loss_scale if loss_scale is not None else NoLossScale()
+        self.accumulation_steps = int(accumulation_steps)
+        self.clip_global_norm = clip_global_norm
+        self.input_fn = input_fn
+        # Slots must exist before tracing: a lazily built optimizer cannot be traced inside a cond.
+        optimizer.build(model.trainable_variables)
+        self._compiled = tf.function(self.step, jit_compile=jit_compile)
+
+    def __call__(self, batch: Batch) -> dict[str, tf.Tensor]:
+        """Runs the compiled step on one global batch."""
+        return self._compiled(batch)
+
+    def step(self, batch: Batch) -> dict[str, tf.Tensor]:
+        """The step's body, uncompiled: for callers that trace it inside their own `tf.function`."""
+        variables = self.model.trainable_variables
+        scale = self.loss_scale.scale
+        rollback = [tf.identity(v) for v in self.model.non_trainable_variables]
+
+        grads, loss_sum, weight = self._accumulate(batch, variables)
+        weight = _sum_over_replicas(weight)
+        grads = [g / weight for g in _sum_over_replicas(grads)]
+        loss = _sum_over_replicas(loss_sum) / weight
+
+        grads_finite = all_finite(grads)
+        grad_norm = tf.linalg.global_norm(grads)
+        if self.clip_global_norm is not None:
+            grads, _ = tf.clip_by_global_norm(grads, self.clip_global_norm, use_norm=grad_norm)
+        applied = tf.cond(
+            grads_finite,
+            lambda: self._apply(grads, variables),
+            lambda: self._roll_back(rollback),
+        )
+        self.loss_scale.update(grads_finite)
+        return {
+            "loss": loss,
+            "loss_scale": scale,
+            "grads_finite": grads_finite,
+            "grad_norm": grad_norm,
+            "applied": applied,
+            "weight": weight,
+        }
+
+    def _accumulate(self, batch: Batch, variables: list) -> tuple[list, tf.Tensor, tf.Tensor]:
+        """Sums unscaled float32 gradients, loss sums and weights over the micro-batches."""
+        if self.accumulation_steps == 1:
+            return self._micro_step(batch, variables)
+        micro_batches = split_micro_batches(batch, self.accumulation_steps)
+
+        def body(i, grads, loss_sum, weight):
+            micro_batch = tf.nest.map_structure(lambda t: t[i], micro_batches)
+            micro_grads, micro_loss, micro_weight = self._micro_step(micro_batch, variables)
+            grads = [a + g for a, g in zip(grads, micro_grads)]
+            return i + 1, grads, loss_sum + micro_loss, weight + micro_weight
+
+        zeros = [tf.zeros(v.shape, tf.float32) for v in variables]
+        _, grads, loss_sum, weight = tf.while_loop(
+            lambda i, *_: i < self.accumulation_steps,
+            body,
+            (tf.constant(0), zeros, tf.constant(0.0), tf.constant(0.0)),
+        )
+        return grads, loss_sum, weight
+
+    def _micro_step(self, micro_batch: Batch, variables: list) -> tuple[list, tf.Tensor, tf.Tensor]:
+        """Forward in the compute dtype, loss in float32, scaled backward, unscaled float32 gradients."""
+        with tf.GradientTape() as tape:
+            inputs = self.policy.cast_to_compute(self.input_fn(micro_batch))
+            outputs = self.policy.cast_to_output(self.model(inputs, training=True))
+            loss_sum, weight = as_sum_and_weight(self.loss_fn(outputs, micro_batch))
+            scaled_loss = self.loss_scale.scale_loss(loss_sum)
+        scaled_grads = tape.gradient(
+            scaled_loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        return self.loss_scale.unscale(scaled_grads), loss_sum, weight
+
+    def _apply(self, grads: list, variables: list) -> tf.Tensor:
+        self.optimizer.apply(grads, variables)
+        return tf.constant(True)
+
+    def _roll_back(self, saved_values: list) -> tf.Tensor:
+        """Restores non-trainable model state (e.g. BatchNorm statistics) updated by the forward pass."""
+        for variable, value in zip(self.model.non_trainable_variables, saved_values):
+            variable.assign(value)
+        return tf.constant(False)
+
+
+def _sum_over_replicas(value: Any) -> Any:
+    """Sums `value` over the replicas of a `tf.distribute` strategy; identity on one replica."""
+    replica_context = tf.distribute.get_replica_context()
+    if replica_context is None or replica_context.num_replicas_in_sync == 1:
+        return value
+    return replica_context.all_reduce(tf.distribute.ReduceOp.SUM, value)
