@@ -4,6 +4,7 @@ from mixloop.layer_precision import build_model, keep_float32_layers
 from mixloop.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, all_finite
 from mixloop.policy import Policy
 from mixloop.step import TrainStep
+from mixloop.trainer import Trainer
 
 __all__ = [
     "DynamicLossScale",
@@ -11,6 +12,7 @@ __all__ = [
     "Policy",
     "StaticLossScale",
     "TrainStep",
+    "Trainer",
     "all_finite",
     "build_model",
     "keep_float32_layers",

@@ -1,0 +1,162 @@
+"""The base experiment config: every framework field with its default, and its validation.
+
+An experiment file's `get_config(arg=None)` starts from `base_config()`, fills the free-form `model`
+and `data` sections, and overrides what it needs. `validate(config)` rejects keys the framework does
+not know (a typo is an error, not a silent default) and values outside what is allowed, with one
+line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import ml_collections
+
+from mixloop.errors import UserError
+from mixloop.policy import Policy
+
+# Sections the experiment owns: any keys are allowed there.
+FREE_FORM_SECTIONS = ("model", "data")
+POLICIES = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+class ConfigError(UserError, ValueError):
+    """A config key or value the framework cannot run with."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every framework field, with its default and what it means."""
+    config = ml_collections.ConfigDict()
+    config.trainer = ""  # Import path of the Trainer subclass, "package.module.ClassName".
+    config.seed = 0  # Seeds Python, NumPy, TensorFlow and Keras.
+    config.deterministic = False  # Deterministic kernels: a resumed run ends bit-identical.
+    config.jit_compile = False  # Compile the train step with XLA.
+
+    config.precision = ml_collections.ConfigDict()
+    config.precision.policy = "float32"  # float32, mixed_float16, mixed_bfloat16, or auto.
+    config.precision.loss_scale = "dynamic"  # "dynamic", "none", or a number for a static scale.
+    config.precision.initial_scale = 2.0**15  # Dynamic scale: the starting value.
+    config.precision.growth_interval = 2000  # Dynamic scale: finite updates in a row before growing.
+    config.precision.growth_factor = 2.0  # Dynamic scale: factor applied on growth (> 1).
+    config.precision.backoff_factor = 0.5  # Dynamic scale: factor applied on overflow, in (0, 1).
+    config.precision.hysteresis = 1  # Dynamic scale: overflows tolerated before backing off.
+    config.precision.min_scale = 1.0  # Dynamic scale: lower bound.
+    config.precision.max_scale = 2.0**24  # Dynamic scale: upper bound.
+    config.precision.float32_layers = ""  # Regex of layer paths that also compute in float32.
+
+    config.train = ml_collections.ConfigDict()
+    config.train.num_steps = 1000  # Optimizer updates to run, skipped ones included.
+    config.train.batch_size = 32  # Global examples per optimizer update.
+    config.train.accumulation_steps = 1  # Micro-batches per update; must divide batch_size.
+    config.train.steps_per_loop = 10  # Updates per compiled loop call (Python leaves the hot path).
+    config.train.log_every_steps = 100  # Console progress line and TensorBoard train summaries.
+    config.train.clip_global_norm = 0.0  # Clip the true gradient to this global norm; 0 disables.
+
+    config.optimizer = ml_collections.ConfigDict()
+    config.optimizer.name = "adamw"  # sgd, momentum, adam or adamw.
+    config.optimizer.learning_rate = 1e-3  # Peak learning rate.
+    config.optimizer.schedule = "constant"  # constant, cosine or linear decay over num_steps.
+    config.optimizer.warmup_steps = 0  # Linear warm-up from 0 to learning_rate.
+    config.optimizer.weight_decay = 0.0  # Decoupled weight decay (adamw; sgd/momentum/adam via Keras).
+    config.optimizer.momentum = 0.9  # For "momentum".
+    config.optimizer.beta_1 = 0.9  # Adam(W).
+    config.optimizer.beta_2 = 0.999  # Adam(W).
+    config.optimizer.epsilon = 1e-7  # Adam(W).
+
+    config.eval = ml_collections.ConfigDict()
+    config.eval.every_steps = 500  # Evaluate every this many updates and at the end; 0: only at the end.
+    config.eval.num_batches = 0  # Eval batches per evaluation; 0 reads the whole eval set.
+
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.every_steps = 500  # Save every this many updates, and at the end.
+    config.checkpoint.max_to_keep = 3  # Checkpoints kept in the workdir.
+
+    config.model = ml_collections.ConfigDict()  # Free-form: the experiment's model hyperparameters.
+    config.data = ml_collections.ConfigDict()  # Free-form: the experiment's data settings.
+    return config
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Checks keys and values of a resolved config.
+
+    Raises:
+      ConfigError: one line naming the first bad key, its value and what is allowed.
+    """
+    _check_known_keys(config, base_config(), prefix="")
+    _check_values(config)
+
+
+def _check_known_keys(config: Any, reference: Any, prefix: str) -> None:
+    for key in config.keys():
+        path = prefix + key
+        if key not in reference:
+            allowed = ", ".join(sorted(reference.keys()))
+            raise ConfigError(f"unknown config key {path!r}; known keys here: {allowed}")
+        if key in FREE_FORM_SECTIONS and not prefix:
+            continue
+        if isinstance(reference[key], ml_collections.ConfigDict):
+            _check_known_keys(config[key], reference[key], prefix=path + ".")
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"config.{key}={value!r} is not allowed: {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def parse_loss_scale(value: Any) -> Any:
+    """Returns "dynamic", "none" or a positive float for `precision.loss_scale`, else None."""
+    if isinstance(value, str) and value.strip().lower() in ("dynamic", "none"):
+        return value.strip().lower()
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number > 0 else None
+
+
+def _parses_as_policy(value: Any) -> bool:
+    try:
+        Policy.from_string(str(value))
+    except ValueError:
+        return False
+    return True
+
+
+def _check_values(config: ml_collections.ConfigDict) -> None:
+    p, t, o = config.precision, config.train, config.optimizer
+    _require(isinstance(config.trainer, str) and bool(config.trainer), "trainer", config.trainer,
+             "the import path of a Trainer subclass, e.g. 'experiments.charlm.CharLMTrainer'")
+    _require(p.policy == "auto" or _parses_as_policy(p.policy), "precision.policy", p.policy,
+             f"one of {', '.join(POLICIES)} or 'params=..,compute=..,output=..'")
+    _require(parse_loss_scale(p.loss_scale) is not None, "precision.loss_scale", p.loss_scale,
+             "'dynamic', 'none' or a positive number")
+    for key in ("num_steps", "batch_size", "accumulation_steps", "steps_per_loop", "log_every_steps"):
+        _require(_is_int(t[key]) and t[key] >= 1, f"train.{key}", t[key], "a positive integer")
+    _require(t.batch_size % t.accumulation_steps == 0, "train.accumulation_steps",
+             t.accumulation_steps, f"a divisor of train.batch_size={t.batch_size}")
+    _require(_is_number(t.clip_global_norm) and t.clip_global_norm >= 0, "train.clip_global_norm",
+             t.clip_global_norm, "a non-negative number (0 disables clipping)")
+    _require(o.name in OPTIMIZERS, "optimizer.name", o.name, f"one of {', '.join(OPTIMIZERS)}")
+    _require(o.schedule in SCHEDULES, "optimizer.schedule", o.schedule, f"one of {', '.join(SCHEDULES)}")
+    _require(_is_number(o.learning_rate) and o.learning_rate > 0, "optimizer.learning_rate",
+             o.learning_rate, "a positive number")
+    _require(_is_int(o.warmup_steps) and 0 <= o.warmup_steps < t.num_steps, "optimizer.warmup_steps",
+             o.warmup_steps, f"an integer in [0, train.num_steps={t.num_steps})")
+    _require(_is_number(o.weight_decay) and o.weight_decay >= 0, "optimizer.weight_decay",
+             o.weight_decay, "a non-negative number")
+    for key in ("eval.every_steps", "eval.num_batches", "checkpoint.every_steps"):
+        value = config[key.split(".")[0]][key.split(".")[1]]
+        _require(_is_int(value) and value >= 0, key, value, "a non-negative integer")
+    _require(_is_int(config.checkpoint.max_to_keep) and config.checkpoint.max_to_keep >= 1,
+             "checkpoint.max_to_keep", config.checkpoint.max_to_keep, "a positive integer")

@@ -1,0 +1,58 @@
+"""Builds the Keras optimizer and learning-rate schedule named by `config.optimizer`.
+
+Schedules count optimizer iterations, which the train step advances once per *applied* update, so a
+skipped (non-finite) update neither moves the learning rate nor applies weight decay.
+"""
+
+from __future__ import annotations
+
+import keras
+import ml_collections
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict, num_steps: int):
+    """A float or Keras schedule: `config.schedule` decay over `num_steps` after `config.warmup_steps`."""
+    peak, warmup = config.learning_rate, config.warmup_steps
+    if config.schedule == "constant" and warmup == 0:
+        return peak
+    if config.schedule == "cosine":
+        return keras.optimizers.schedules.CosineDecay(
+            initial_learning_rate=0.0 if warmup else peak,
+            decay_steps=max(num_steps - warmup, 1),
+            warmup_target=peak if warmup else None,
+            warmup_steps=warmup,
+        )
+    decay_to = 0.0 if config.schedule == "linear" else peak
+    return _WarmupThenLinear(peak, warmup, max(num_steps - warmup, 1), decay_to)
+
+
+class _WarmupThenLinear(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up from 0 to `peak`, then linear change to `end` over `decay_steps`."""
+
+    def __init__(self, peak: float, warmup_steps: int, decay_steps: int, end: float):
+        self.peak, self.warmup_steps, self.decay_steps, self.end = peak, warmup_steps, decay_steps, end
+
+    def __call__(self, step):
+        step = keras.ops.cast(step, "float32")
+        warm = self.peak * step / max(self.warmup_steps, 1)
+        progress = keras.ops.clip((step - self.warmup_steps) / self.decay_steps, 0.0, 1.0)
+        decayed = self.peak + (self.end - self.peak) * progress
+        return keras.ops.where(step < self.warmup_steps, warm, decayed)
+
+    def get_config(self):
+        return dict(peak=self.peak, warmup_steps=self.warmup_steps, decay_steps=self.decay_steps,
+                    end=self.end)
+
+
+def build_optimizer(config: ml_collections.ConfigDict, num_steps: int) -> keras.optimizers.Optimizer:
+    """The optimizer named by `config.name`, with its schedule and weight decay."""
+    learning_rate = learning_rate_schedule(config, num_steps)
+    decay = config.weight_decay or None
+    if config.name == "sgd":
+        return keras.optimizers.SGD(learning_rate, weight_decay=decay)
+    if config.name == "momentum":
+        return keras.optimizers.SGD(learning_rate, momentum=config.momentum, weight_decay=decay)
+    adam_args = dict(beta_1=config.beta_1, beta_2=config.beta_2, epsilon=config.epsilon)
+    if config.name == "adam":
+        return keras.optimizers.Adam(learning_rate, weight_decay=decay, **adam_args)
+    return keras.optimizers.AdamW(learning_rate, weight_decay=config.weight_decay, **adam_args)
