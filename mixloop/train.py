@@ -74,9 +74,12 @@ def parse_flags(argv: list[str]) -> list[str]:
             raise FileNotFoundError(f"config file {config_file!r} does not exist")
         return remaining
     except Exception as error:  # absl and config_flags raise many types; the user needs the text.
+        cause = error.args[0] if error.args else error
+        if isinstance(error, AttributeError) and isinstance(cause, KeyError):
+            # ConfigDict's way of saying an override names a key the config lacks.
+            key, _, suggestion = str(cause.args[0]).partition("\n")
+            error = f"unknown config key {key} in a --config override. {suggestion}"
         message = " ".join(str(error).split())
-        if isinstance(error, AttributeError):  # An override naming a key the config lacks.
-            message = f"unknown config key in an override: {message}"
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
 

@@ -1,0 +1,45 @@
+"""Optimizers and schedules from config: the learning rate at given iterations."""
+
+import keras
+import numpy as np
+import pytest
+
+from mixloop.config import base_config
+from mixloop.optimizers import build_optimizer, learning_rate_schedule
+
+
+def optimizer_config(**fields):
+    config = base_config().optimizer
+    config.update(fields)
+    return config
+
+
+def rate(schedule, step):
+    return float(keras.ops.convert_to_numpy(schedule(step))) if callable(schedule) else schedule
+
+
+@pytest.mark.parametrize("schedule, warmup, expected", [
+    # (step, learning rate) pairs computed by hand for a peak of 1.0 over 100 steps.
+    ("constant", 0, [(0, 1.0), (50, 1.0), (100, 1.0)]),
+    ("constant", 10, [(0, 0.0), (5, 0.5), (10, 1.0), (100, 1.0)]),
+    ("linear", 0, [(0, 1.0), (50, 0.5), (100, 0.0)]),
+    ("linear", 20, [(10, 0.5), (20, 1.0), (60, 0.5), (100, 0.0)]),
+    ("cosine", 0, [(0, 1.0), (50, 0.5), (100, 0.0)]),
+    ("cosine", 20, [(10, 0.5), (20, 1.0), (60, 0.5), (100, 0.0)]),
+])
+def test_schedule_values(schedule, warmup, expected):
+    lr = learning_rate_schedule(optimizer_config(learning_rate=1.0, schedule=schedule,
+                                                 warmup_steps=warmup), num_steps=100)
+    for step, value in expected:
+        assert rate(lr, step) == pytest.approx(value, abs=1e-6), (schedule, step)
+
+
+@pytest.mark.parametrize("name, cls", [("sgd", keras.optimizers.SGD), ("momentum", keras.optimizers.SGD),
+                                       ("adam", keras.optimizers.Adam), ("adamw", keras.optimizers.AdamW)])
+def test_build_optimizer_by_name(name, cls):
+    optimizer = build_optimizer(optimizer_config(name=name, weight_decay=0.01), num_steps=10)
+    assert type(optimizer) is cls
+    assert optimizer.weight_decay == pytest.approx(0.01)
+    if name == "momentum":
+        assert optimizer.momentum == pytest.approx(0.9)
+    np.testing.assert_allclose(float(optimizer.learning_rate), 1e-3, rtol=1e-6)

@@ -1,0 +1,104 @@
+"""The Trainer in-process: workdir contents, TensorBoard tags, resume equivalence, export."""
+
+import glob
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tiny_experiment
+from mixloop.loss_scale import DynamicLossScale, NoLossScale
+from mixloop.precision_setup import make_loss_scale, make_policy
+
+TRAIN_TAGS = {"loss", "loss_scale", "skipped_steps", "skipped_total", "grad_norm", "learning_rate",
+              "steps_per_sec", "examples_per_sec"}
+
+
+def read_events(directory):
+    """{tag: [(step, value), ...]} from the event files in `directory`."""
+    scalars = {}
+    for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                number = float(tf.make_ndarray(value.tensor))
+                scalars.setdefault(value.tag, []).append((event.step, number))
+    return scalars
+
+
+def make_trainer(workdir, **overrides):
+    config = tiny_experiment.get_config()
+    for key, value in overrides.items():
+        section, _, field = key.rpartition(".")
+        (config[section] if section else config)[field] = value
+    return tiny_experiment.TinyTrainer(config, str(workdir))
+
+
+def test_train_writes_the_workdir(tmp_path):
+    trainer = make_trainer(tmp_path)
+    metrics = trainer.train()
+
+    assert int(trainer.global_step.numpy()) == 40
+    assert metrics["eval_accuracy"] > 0.5  # Three balanced classes: chance is 1/3.
+    assert set(os.listdir(tmp_path)) >= {"config.json", "checkpoints", "train", "eval", "model.keras"}
+    saved_steps = sorted(int(p.split("-")[-1].split(".")[0])
+                         for p in glob.glob(str(tmp_path / "checkpoints" / "ckpt-*.index")))
+    assert saved_steps == [20, 40]
+
+    train_events = read_events(tmp_path / "train")
+    assert TRAIN_TAGS <= set(train_events)
+    assert [step for step, _ in train_events["loss"]] == [10, 20, 30, 40]
+    assert train_events["loss_scale"][-1][1] == 2.0**15
+    assert {"loss", "accuracy"} <= set(read_events(tmp_path / "eval"))
+
+
+def test_export_is_float32_with_the_trained_weights(tmp_path):
+    trainer = make_trainer(tmp_path, **{"train.num_steps": 10})
+    trainer.train()
+    exported = keras.models.load_model(tmp_path / "model.keras")
+
+    assert {v.dtype for v in exported.trainable_variables} == {"float32"}
+    assert exported.get_layer("logits").compute_dtype == "float32"
+    assert all(layer.compute_dtype == "float32" for layer in exported.layers)
+    for saved, trained in zip(exported.get_weights(), trainer.model.get_weights()):
+        np.testing.assert_array_equal(saved, trained)
+
+
+def test_resumed_run_is_bit_identical(tmp_path):
+    """20 steps, stop, resume to 40 == 40 steps straight (dropout, shuffling and loss scale included)."""
+    deterministic = {"deterministic": True}
+    straight = make_trainer(tmp_path / "straight", **deterministic)
+    straight.train()
+
+    make_trainer(tmp_path / "resumed", **deterministic, **{"train.num_steps": 20}).train()
+    resumed = make_trainer(tmp_path / "resumed", **deterministic)
+    resumed.train()
+
+    assert int(resumed.global_step.numpy()) == 40
+    for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(straight.optimizer.variables, resumed.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_finished_run_does_nothing_more(tmp_path):
+    make_trainer(tmp_path, **{"train.num_steps": 10}).train()
+    again = make_trainer(tmp_path, **{"train.num_steps": 10})
+    again.train()
+    assert int(again.global_step.numpy()) == 10
+    assert int(again.optimizer.iterations.numpy()) == 10
+
+
+def test_auto_policy_on_cpu_is_float32_and_says_why():
+    policy, reason = make_policy("auto")
+    assert policy.compute_dtype == tf.float32
+    assert "auto chose float32" in reason and "CPU" in reason
+
+
+@pytest.mark.parametrize("policy, expected", [
+    ("mixed_float16", DynamicLossScale), ("mixed_bfloat16", NoLossScale), ("float32", NoLossScale),
+])
+def test_dynamic_loss_scale_only_where_float16_needs_it(policy, expected):
+    config = tiny_experiment.get_config().precision
+    assert type(make_loss_scale(config, make_policy(policy)[0])) is expected
