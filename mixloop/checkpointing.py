@@ -26,13 +26,13 @@ def make_manager(
     )
 
 
-def restore_latest(manager: tf.train.CheckpointManager) -> Optional[str]:
-    """Restores the newest checkpoint, if any, and returns its path.
+def restore_latest(manager: tf.train.CheckpointManager, directory: str) -> Optional[str]:
+    """Restores the newest checkpoint in `directory` (the chief's, for every worker); returns its path.
 
     Raises:
       UserError: when the checkpoint holds variables of other shapes or counts than this run's.
     """
-    path = manager.latest_checkpoint
+    path = tf.train.latest_checkpoint(directory)
     if path is None:
         return None
     try:

@@ -21,6 +21,7 @@ FREE_FORM_SECTIONS = ("model", "data")
 POLICIES = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
+DISTRIBUTIONS = ("auto", "one_device", "mirrored", "multi_worker", "tpu")
 
 
 class ConfigError(UserError, ValueError):
@@ -34,6 +35,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.seed = 0  # Seeds Python, NumPy, TensorFlow and Keras.
     config.deterministic = False  # Deterministic kernels: a resumed run ends bit-identical.
     config.jit_compile = False  # Compile the train step with XLA.
+    config.distribution = "auto"  # auto, one_device, mirrored, multi_worker (TF_CONFIG) or tpu.
 
     config.precision = ml_collections.ConfigDict()
     config.precision.policy = "float32"  # float32, mixed_float16, mixed_bfloat16, or auto.
@@ -137,6 +139,8 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
     p, t, o = config.precision, config.train, config.optimizer
     _require(isinstance(config.trainer, str) and bool(config.trainer), "trainer", config.trainer,
              "the import path of a Trainer subclass, e.g. 'experiments.charlm.CharLMTrainer'")
+    _require(config.distribution in DISTRIBUTIONS, "distribution", config.distribution,
+             f"one of {', '.join(DISTRIBUTIONS)}")
     _require(p.policy == "auto" or _parses_as_policy(p.policy), "precision.policy", p.policy,
              f"one of {', '.join(POLICIES)} or 'params=..,compute=..,output=..'")
     _require(parse_loss_scale(p.loss_scale) is not None, "precision.loss_scale", p.loss_scale,

@@ -63,24 +63,34 @@ def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -
 
     Sensitive layers are those of `FLOAT32_LAYER_TYPES`, the layers that produce the outputs of a
     functional or sequential model (the final logits), any layer named `logits` (for subclassed
-    models), and any layer whose path fully matches `pattern`. Does nothing unless the policy
-    computes in a lower precision than its float32 parameters.
+    models), and any layer whose path (its name, for sublayers Keras gives no path) fully matches
+    `pattern`, together with all of that layer's sublayers. Does nothing unless the policy computes
+    in a lower precision than its float32 parameters.
     """
     if not policy.is_mixed or policy.param_dtype.name != "float32":
         return []
     matcher = re.compile(pattern) if pattern else None
     output_layers = _output_layers(model)
-    paths = []
+    kept = {}
     for layer in model._flatten_layers(include_self=False):
-        if (
+        if matcher is not None and matcher.fullmatch(_path(layer)):
+            # Keras reads each sublayer's own policy, so switching only a block (e.g. attention)
+            # would leave its projections computing in 16 bits.
+            kept.update((id(sub), sub) for sub in layer._flatten_layers(include_self=True))
+        elif (
             isinstance(layer, FLOAT32_LAYER_TYPES)
             or any(layer is output for output in output_layers)
             or layer.name == "logits"
-            or (matcher is not None and matcher.fullmatch(layer.path or layer.name))
         ):
-            layer.dtype_policy = "float32"
-            paths.append(layer.path)
-    return paths
+            kept[id(layer)] = layer
+    for layer in kept.values():
+        layer.dtype_policy = "float32"
+    return [_path(layer) for layer in kept.values()]
+
+
+def _path(layer: keras.layers.Layer) -> str:
+    """The layer's path, or its name for sublayers without a `build` (e.g. attention's softmax)."""
+    return layer.path or layer.name
 
 
 def _output_layers(model: keras.Model) -> list[keras.layers.Layer]:

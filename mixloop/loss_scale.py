@@ -8,21 +8,24 @@ Every piece of state is a `tf.Variable`, so `tf.train.Checkpoint` saves and rest
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import tensorflow as tf
 
 
-def all_finite(grads: Any) -> tf.Tensor:
+def all_finite(grads: Any, agree_across_replicas: bool = True) -> tf.Tensor:
     """Returns a scalar tf.bool: whether every element of every tensor in `grads` is finite.
 
     Inside a `tf.distribute` replica context the answer is agreed by all replicas, so one replica's
-    inf or NaN skips the update on every replica. `None` leaves (unconnected variables) are ignored.
+    inf or NaN skips the update on every replica; a caller whose `grads` are already all-reduced
+    (the same on every replica) may pass `agree_across_replicas=False` to save that communication.
+    `None` leaves (unconnected variables) are ignored.
     """
     leaves = [g for g in tf.nest.flatten(grads) if g is not None]
     local = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in leaves])
     replica_context = tf.distribute.get_replica_context()
-    if replica_context is None or replica_context.num_replicas_in_sync == 1:
+    if not agree_across_replicas or replica_context is None or replica_context.num_replicas_in_sync == 1:
         return local
     num_non_finite = replica_context.all_reduce(
         tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(local), tf.float32)
@@ -59,6 +62,8 @@ class _LossScale(tf.Module):
 
     def update(self, grads_finite: tf.Tensor) -> None:
         """Adjusts the scale after one optimizer update whose gradients were (not) all finite."""
+        # A fixed scale ignores overflows. (A docstring-only body also trips AutoGraph's converter.)
+        del grads_finite
 
 
 class NoLossScale(_LossScale):
@@ -72,8 +77,9 @@ class StaticLossScale(_LossScale):
     """A fixed scale, for models whose gradient range is known in advance."""
 
     def __init__(self, value: float, name: str = "static_loss_scale"):
-        if not value > 0:
-            raise ValueError(f"StaticLossScale value must be positive, got {value!r}")
+        # An infinite scale would turn every gradient into inf and skip every update.
+        if not 0 < value < math.inf:
+            raise ValueError(f"StaticLossScale value must be positive and finite, got {value!r}")
         super().__init__(value, name=name)
 
 
@@ -94,8 +100,9 @@ class DynamicLossScale(_LossScale):
             if hysteresis_left == 0:
                 scale = max(scale * backoff_factor, min_scale)
 
-    With `hysteresis=1` (the default) every overflow backs off, as in PyTorch's GradScaler; a larger
-    value tolerates that many overflows between growths before the first back-off, as DeepSpeed does.
+    With `hysteresis=1` (the default) every overflow backs off, as in PyTorch's GradScaler; with a
+    larger value the first `hysteresis - 1` overflows since the last growth leave the scale alone and
+    every later one backs off, as DeepSpeed does.
     """
 
     def __init__(
@@ -159,7 +166,10 @@ def _check_dynamic_arguments(
         problems.append(f"hysteresis must be at least 1, got {hysteresis!r}")
     if not min_scale > 0:
         problems.append(f"min_scale must be positive, got {min_scale!r}")
-    if not min_scale <= max_scale:
+    if not max_scale < math.inf:
+        # The scale would grow to inf, where backing off (inf * backoff_factor) can never bring it down.
+        problems.append(f"max_scale must be finite, got {max_scale!r}")
+    elif not min_scale <= max_scale:
         problems.append(f"min_scale ({min_scale!r}) must not exceed max_scale ({max_scale!r})")
     elif not min_scale <= initial_scale <= max_scale:
         problems.append(

@@ -62,8 +62,9 @@ def as_sum_and_weight(loss: LossOutput) -> tuple[tf.Tensor, tf.Tensor]:
 class TrainStep:
     """A compiled train step: forward, scaled backward, accumulation, finiteness check, update.
 
-    Calling it with one batch of the global batch size (per replica, under a distribution strategy)
-    splits the batch into `accumulation_steps` micro-batches and performs at most one optimizer
+    Build it inside the `strategy.scope()` it will run under. Calling it with one batch of the global
+    batch size (under a distribution strategy: a distributed batch, each replica its slice) splits
+    the batch into `accumulation_steps` micro-batches and performs at most one optimizer
     update. It returns a dict of scalars: `loss` (float32, unscaled, averaged by weight over the
     micro-batches), `loss_scale` (the scale used), `grads_finite` (bool), `grad_norm` (float32, of the
     unscaled averaged gradient before clipping), `applied` (bool) and `weight` (the total loss weight).
@@ -100,8 +101,17 @@ class TrainStep:
         self.accumulation_steps = int(accumulation_steps)
         self.clip_global_norm = clip_global_norm
         self.input_fn = input_fn
+        self.strategy = tf.distribute.get_strategy()
         # Slots must exist before tracing: a lazily built optimizer cannot be traced inside a cond.
         optimizer.build(model.trainable_variables)
+        if self.strategy.num_replicas_in_sync > 1:
+            # The step all-reduces the gradients itself, before checking and clipping them; Keras
+            # would otherwise sum the already summed gradients over the replicas a second time.
+            optimizer._all_reduce_sum_gradients = list
+            # XLA goes around the replica function only: with it, GPUs all-reduce without merge_call.
+            if jit_compile:
+                self._replica_gradients = tf.function(self._replica_gradients, jit_compile=True)
+            jit_compile = False
         self._compiled = tf.function(self.step, jit_compile=jit_compile)
 
     def __call__(self, batch: Batch) -> dict[str, tf.Tensor]:
@@ -109,34 +119,41 @@ class TrainStep:
         return self._compiled(batch)
 
     def step(self, batch: Batch) -> dict[str, tf.Tensor]:
-        """The step's body, uncompiled: for callers that trace it inside their own `tf.function`."""
-        variables = self.model.trainable_variables
+        """The step's body, uncompiled: for callers that trace it inside their own `tf.function`.
+
+        Runs in cross-replica context: the gradient phase runs on every replica, the decision to
+        apply is taken once, and the update itself runs on every replica again.
+        """
         scale = self.loss_scale.scale
         rollback = [tf.identity(v) for v in self.model.non_trainable_variables]
+        grads, metrics = self.strategy.run(self._replica_gradients, args=(batch,))
+        metrics = {name: self._first_replica(value) for name, value in metrics.items()}
+        applied = tf.cond(
+            metrics["grads_finite"],
+            lambda: self._apply(grads),
+            lambda: self._roll_back(rollback),
+        )
+        self.loss_scale.update(metrics["grads_finite"])
+        return {**metrics, "loss_scale": scale, "applied": applied}
 
-        grads, loss_sum, weight = self._accumulate(batch, variables)
-        weight = _sum_over_replicas(weight)
-        grads = [g / weight for g in _sum_over_replicas(grads)]
-        loss = _sum_over_replicas(loss_sum) / weight
-
-        grads_finite = all_finite(grads)
+    def _replica_gradients(self, batch: Batch) -> tuple[list, dict[str, tf.Tensor]]:
+        """One replica's accumulated gradients, summed over replicas once, averaged, checked, clipped."""
+        grads, loss_sum, weight = self._accumulate(batch, self.model.trainable_variables)
+        # The only communication of the update: gradients, loss and weight in one all-reduce.
+        grads, loss_sum, weight = _sum_over_replicas((grads, loss_sum, weight))
+        grads = [g / weight for g in grads]
+        # Every replica now holds the same sums, so the local verdict is already the global one.
+        grads_finite = all_finite(grads, agree_across_replicas=False)
         grad_norm = tf.linalg.global_norm(grads)
         if self.clip_global_norm is not None:
             grads, _ = tf.clip_by_global_norm(grads, self.clip_global_norm, use_norm=grad_norm)
-        applied = tf.cond(
-            grads_finite,
-            lambda: self._apply(grads, variables),
-            lambda: self._roll_back(rollback),
-        )
-        self.loss_scale.update(grads_finite)
-        return {
-            "loss": loss,
-            "loss_scale": scale,
-            "grads_finite": grads_finite,
-            "grad_norm": grad_norm,
-            "applied": applied,
-            "weight": weight,
-        }
+        metrics = {"loss": loss_sum / weight, "grads_finite": grads_finite, "grad_norm": grad_norm,
+                   "weight": weight}
+        return grads, metrics
+
+    def _first_replica(self, value: Any) -> tf.Tensor:
+        """The value of the first local replica (all replicas hold the same reduced metrics)."""
+        return self.strategy.experimental_local_results(value)[0]
 
     def _accumulate(self, batch: Batch, variables: list) -> tuple[list, tf.Tensor, tf.Tensor]:
         """Sums unscaled float32 gradients, loss sums and weights over the micro-batches."""
@@ -170,8 +187,9 @@ class TrainStep:
         )
         return self.loss_scale.unscale(scaled_grads), loss_sum, weight
 
-    def _apply(self, grads: list, variables: list) -> tf.Tensor:
-        self.optimizer.apply(grads, variables)
+    def _apply(self, grads: Any) -> tf.Tensor:
+        """Applies the (per-replica) gradients to the float32 master weights on every replica."""
+        self.strategy.run(self.optimizer.apply, args=(grads, self.model.trainable_variables))
         return tf.constant(True)
 
     def _roll_back(self, saved_values: list) -> tf.Tensor:

@@ -21,7 +21,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mixloop import checkpointing, layer_precision, optimizers, precision_setup, reporting
+from mixloop import checkpointing, distribution, layer_precision, optimizers, precision_setup, reporting
 from mixloop.step import Batch, TrainStep, default_input_fn
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -33,40 +33,46 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         self.config = config
         self.workdir = workdir
+        self.strategy = distribution.make_strategy(config.distribution)
         keras.utils.set_random_seed(config.seed)
         if config.deterministic:
             tf.config.experimental.enable_op_determinism()
+        self.is_chief = distribution.is_chief(self.strategy)
         self.policy, policy_reason = precision_setup.make_policy(config.precision.policy)
-        logging.info("%s (%s)", policy_reason, self.policy)
-        self.model = layer_precision.build_model(
-            self.build_model, self.policy, config.precision.float32_layers
-        )
-        self.optimizer = self.build_optimizer()
-        self.loss_scale = precision_setup.make_loss_scale(config.precision, self.policy)
-        self.train_step = TrainStep(
-            model=self.model,
-            optimizer=self.optimizer,
-            loss_fn=self.compute_loss,
-            policy=self.policy,
-            loss_scale=self.loss_scale,
-            accumulation_steps=config.train.accumulation_steps,
-            clip_global_norm=config.train.clip_global_norm or None,
-            jit_compile=config.jit_compile,
-            input_fn=self.model_inputs,
-        )
-        self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-        self.skipped_total = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_total")
-        train_data, self.eval_data = self.build_datasets()
-        self.train_iterator = iter(train_data.repeat().prefetch(tf.data.AUTOTUNE))
+        logging.info("%s (%s); %s", policy_reason, self.policy, distribution.describe(self.strategy))
+        with self.strategy.scope():
+            self.model = layer_precision.build_model(
+                self.build_model, self.policy, config.precision.float32_layers
+            )
+            self.optimizer = self.build_optimizer()
+            self.loss_scale = precision_setup.make_loss_scale(config.precision, self.policy)
+            self.train_step = TrainStep(
+                model=self.model,
+                optimizer=self.optimizer,
+                loss_fn=self.compute_loss,
+                policy=self.policy,
+                loss_scale=self.loss_scale,
+                accumulation_steps=config.train.accumulation_steps,
+                clip_global_norm=config.train.clip_global_norm or None,
+                jit_compile=config.jit_compile,
+                input_fn=self.model_inputs,
+            )
+            self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+            self.skipped_total = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_total")
+        self._train_data, self.eval_data = self.build_datasets()
+        # One replica: the iterator itself is checkpointed. TensorFlow cannot checkpoint a
+        # distributed iterator, so several replicas fast-forward the data by the restored step.
+        self._checkpoints_iterator = self.strategy.num_replicas_in_sync == 1
+        self.train_iterator = self._make_train_iterator(0) if self._checkpoints_iterator else None
         self.checkpoints = checkpointing.make_manager(
-            workdir,
+            self._checkpoint_workdir(),
             config.checkpoint.max_to_keep,
             model_variables=list(self.model.variables),
             optimizer_variables=list(self.optimizer.variables),
             loss_scale=self.loss_scale,
             global_step=self.global_step,
             skipped_total=self.skipped_total,
-            train_iterator=self.train_iterator,
+            **({"train_iterator": self.train_iterator} if self._checkpoints_iterator else {}),
         )
         self._stop_signal: Optional[int] = None
 
@@ -145,7 +151,7 @@ class Trainer:
 
     def restore(self) -> Optional[str]:
         """Restores the workdir's latest checkpoint; returns its path, or None for a fresh run."""
-        return checkpointing.restore_latest(self.checkpoints)
+        return checkpointing.restore_latest(self.checkpoints, self._resume_directory())
 
     def train(self) -> dict[str, float]:
         """Runs (or resumes) training to `config.train.num_steps` updates; returns the last metrics.
@@ -153,10 +159,13 @@ class Trainer:
         On SIGINT or SIGTERM it finishes the current loop, saves a checkpoint and returns early.
         """
         self.restore()
-        self._write_config()
+        if self.is_chief:
+            self._write_config()
         num_steps = self.config.train.num_steps
-        writer = reporting.MetricWriter(self.workdir)
+        writer = reporting.MetricWriter(self.workdir, enabled=self.is_chief)
         step = int(self.global_step.numpy())
+        if not self._checkpoints_iterator:
+            self.train_iterator = self._make_train_iterator(step)
         if step >= num_steps:
             logging.info("Already trained to step %d of %d; nothing to do.", step, num_steps)
         metrics: dict[str, float] = {}
@@ -186,7 +195,8 @@ class Trainer:
                 signal.Signals(self._stop_signal).name, step, self.checkpoints.directory,
             )
             return metrics
-        self.export()
+        if self.is_chief:
+            self.export()
         return metrics
 
     def export(self) -> str:
@@ -211,6 +221,23 @@ class Trainer:
 
     def _is_due(self, step: int, every: int) -> bool:
         return step == self.config.train.num_steps or (every > 0 and step % every == 0)
+
+    def _make_train_iterator(self, start_step: int):
+        """An iterator over the repeated train data, distributed, `start_step` global batches in."""
+        data = self._train_data.repeat().skip(start_step).prefetch(tf.data.AUTOTUNE)
+        return iter(distribution.distribute(self.strategy, lambda: data, self.config.train.batch_size))
+
+    def _checkpoint_workdir(self) -> str:
+        """Where this process saves: the workdir on the chief, a worker's own folder elsewhere.
+
+        Every worker of a multi-worker run must take part in each save; only the chief's are resumed.
+        """
+        if self.is_chief:
+            return self.workdir
+        return os.path.join(self.workdir, f"worker-{distribution.worker_index(self.strategy)}")
+
+    def _resume_directory(self) -> str:
+        return os.path.join(self.workdir, "checkpoints")
 
     def _checkpoint_path(self, step: int) -> str:
         return os.path.join(self.checkpoints.directory, f"ckpt-{step}")

@@ -17,7 +17,7 @@ class TinyTrainer(mixloop.Trainer):
     def build_model(self):
         inputs = keras.Input((8,))
         hidden = keras.layers.Dense(self.config.model.width, activation="relu")(inputs)
-        hidden = keras.layers.Dropout(0.1)(hidden)
+        hidden = keras.layers.Dropout(self.config.model.dropout)(hidden)
         return keras.Model(inputs, keras.layers.Dense(3, name="logits")(hidden))
 
     def build_datasets(self):
@@ -44,6 +44,7 @@ def get_config(arg=None):
     config = base_config()
     config.trainer = "tiny_experiment.TinyTrainer"
     config.model.width = 16  # Hidden units.
+    config.model.dropout = 0.1  # Dropout rate after the hidden layer.
     config.precision.policy = "mixed_float16"
     config.train.num_steps = 40
     config.train.batch_size = 32

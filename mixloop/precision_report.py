@@ -1,0 +1,566 @@
+"""The precision doctor's analysis: which layer's values leave a 16-bit range, and what to change.
+
+`diagnose(trainer, num_batches)` runs the same micro-batches forward and backward twice from the same
+weights: through a float32 twin of the model, and through the trainer's model in its policy. The
+float32 pass gives the true range of every layer's inputs, outputs and output gradients and of every
+variable's gradient; the mixed pass shows where values became inf or NaN and how far each gradient
+drifts from float32's. The advice keeps `MARGIN_BITS` doublings free for batches and updates the
+diagnosis did not see::
+
+    keep in float32   = 16-bit layers whose float32 inputs or outputs come within MARGIN_BITS doublings
+                        of their compute dtype's largest finite value, or that turn finite inputs into
+                        inf or NaN
+    initial scale     = 2 ** floor(log2(float16's largest finite value) - MARGIN_BITS
+                                   - log2(largest gradient left in float16 by that advice))
+    bfloat16 is safe  = every 16-bit value stays MARGIN_BITS doublings inside bfloat16's range, and at
+                        most UNDERFLOW_TOLERANCE of the gradients flush to zero without a loss scale
+
+Gradients are those of one micro-batch's loss sum, as the train step differentiates it. Layers are
+observed by wrapping each layer's `call` while the diagnosis runs, which works alike for functional,
+sequential and subclassed models and reaches sublayers (attention projections). Limits: values made
+between layers by plain ops (a residual add) appear only as the next layer's input; Keras's dropout
+and noise layers run in inference mode in both passes so that their masks cannot differ, but other
+random layers draw differently in each pass and show up as gradient error; a variable read by several
+layers (tied embeddings) is counted in the compute dtype of the layer that owns it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+import re
+from typing import Any, Iterator, Optional
+
+import keras
+import ml_collections
+import ml_dtypes
+import numpy as np
+import tensorflow as tf
+
+from mixloop.config import parse_loss_scale
+from mixloop.errors import UserError
+from mixloop.layer_precision import _path as layer_path
+from mixloop.layer_precision import build_model
+from mixloop.policy import Policy
+from mixloop.step import as_sum_and_weight, split_micro_batches
+
+MARGIN_BITS = 3  # Doublings of headroom kept free for batches and updates the diagnosis did not see.
+UNDERFLOW_TOLERANCE = 0.01  # The fraction of nonzero gradient values allowed to flush to zero.
+
+# Layers that draw random numbers; both passes run them in inference mode so the draws cannot differ.
+_NOISE_LAYERS = (keras.layers.Dropout, keras.layers.GaussianDropout, keras.layers.GaussianNoise,
+                 keras.layers.AlphaDropout)
+# Histogram bin k counts magnitudes in [2**k, 2**(k+1)); these bounds hold every nonzero float32.
+_MIN_EXPONENT, _MAX_EXPONENT = -149, 127
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeRange:
+    """The magnitudes a floating dtype holds: inf above `max_finite`, subnormal (fewer significant
+    bits) below `min_normal`, and zero at or below half of `min_subnormal`."""
+
+    name: str
+    max_finite: float
+    min_normal: float
+    min_subnormal: float
+
+    @classmethod
+    def of(cls, dtype: Any) -> "DtypeRange":
+        dtype = tf.as_dtype(dtype)
+        info = ml_dtypes.finfo(dtype.as_numpy_dtype)
+        return cls(dtype.name, float(info.max), float(info.smallest_normal), float(info.smallest_subnormal))
+
+    def headroom_bits(self, max_abs: float) -> float:
+        """log2(max_finite / max_abs): the doublings `max_abs` can take before it overflows."""
+        if max_abs == 0:
+            return math.inf
+        return math.log2(self.max_finite / max_abs) if math.isfinite(max_abs) else -math.inf
+
+    def zero_fraction(self, histogram: dict[int, int], log2_scale: int = 0) -> float:
+        """The fraction of the magnitudes counted in a log2 `histogram` that flush to zero in this dtype
+        once multiplied by 2**log2_scale (exact up to ties at half the smallest subnormal)."""
+        total = sum(histogram.values())
+        # Bin k times 2**s lies in [2**(k+s), 2**(k+s+1)), which rounds to zero when its top is at most
+        # half the smallest subnormal.
+        last_flushed = round(math.log2(self.min_subnormal)) - 2 - log2_scale
+        flushed = sum(count for k, count in histogram.items() if k <= last_flushed)
+        return flushed / total if total else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+    """One layer, over every call in every micro-batch."""
+
+    path: str  # Its Keras path (its name for sublayers Keras gives no path), as float32_layers matches.
+    compute_dtype: str  # In the trainer's model.
+    max_abs_input: Optional[float]  # Largest floating input magnitude, float32 pass; None without any.
+    max_abs_output: float  # Largest output magnitude, float32 pass.
+    headroom_bits: float  # log2(largest finite compute_dtype / max of the two above).
+    non_finite_outputs: int  # Output elements that were inf or NaN in the mixed pass.
+    creates_non_finite: bool  # Mixed pass: some call turned all-finite inputs into inf or NaN.
+    float32_non_finite_outputs: int  # Output elements that were inf or NaN even in float32.
+    max_abs_output_grad: float  # Largest gradient of the (unscaled) loss by the output, float32 pass.
+    output_grad_zero_fraction: float  # Of its nonzero values, those zero once scaled and cast.
+
+    @property
+    def max_abs(self) -> float:
+        """The largest magnitude the layer reads or writes, float32 pass."""
+        return max(self.max_abs_input or 0.0, self.max_abs_output)
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableReport:
+    """One trainable variable's gradient, over every micro-batch; fractions are of its nonzero float32 values."""
+
+    path: str
+    dtype: str  # The dtype its gradient is computed in: the compute dtype of the layer that owns it.
+    num_values: int  # Nonzero float32 gradient values seen.
+    max_abs: float  # Largest float32 gradient magnitude (unscaled).
+    min_abs: float  # Smallest nonzero one.
+    zero_fraction: float  # Float32 gradient times the loss scale, cast to dtype: flushed to zero...
+    subnormal_fraction: float  # ...became subnormal...
+    overflow_fraction: float  # ...or became inf.
+    mixed_zero_fraction: float  # Mixed pass: the gradient was zero where float32's was not.
+    relative_error: float  # |mixed gradient (unscaled) - float32 gradient| / |float32 gradient|.
+    histogram: dict[int, int]  # {k: number of float32 magnitudes in [2**k, 2**(k+1))}.
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """What to change, and why."""
+
+    problems: list[str]  # One sentence each; empty when every value fits.
+    float32_layers: list[str]  # Paths of the 16-bit layers to compute in float32.
+    float32_layers_regex: str  # For precision.float32_layers: those paths and the configured pattern.
+    largest_gradient: float  # The largest unscaled gradient (of a variable or layer output) left in 16 bits.
+    initial_scale: Optional[float]  # The advised precision.initial_scale (float16 policies only).
+    initial_scale_zero_fraction: Optional[float]  # Gradients left in float16 that flush to zero at it.
+    bfloat16_headroom_bits: float  # Least headroom of any 16-bit value in bfloat16.
+    bfloat16_zero_fraction: float  # 16-bit gradients that flush to zero in bfloat16 without a scale.
+    bfloat16_safe: bool  # Whether mixed_bfloat16 avoids every range problem found.
+    overrides: dict[str, Any]  # Config overrides that apply the advice, e.g. {"precision.initial_scale": 1024.0}.
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """The diagnosis of one model at one step; `diagnose` makes it."""
+
+    trainer: str  # config.trainer.
+    policy: str  # The trainer's policy, "params=..,compute=..,output=..".
+    compute_dtype: str
+    step: int  # The trainer's global step: which weights were diagnosed.
+    num_batches: int
+    num_micro_batches: int  # Micro-batches seen: num_batches times train.accumulation_steps.
+    loss_scale: float  # The scale gradients were examined at.
+    gradient_zero_fraction: float  # Over every gradient computed in 16 bits, at the loss scale.
+    gradient_subnormal_fraction: float
+    gradient_overflow_fraction: float
+    layers: list[LayerReport]  # In the order they were first called.
+    variables: list[VariableReport]  # In the order of model.trainable_variables.
+    advice: Advice
+
+    def gradient_histogram(self) -> dict[int, int]:
+        """The log2 histogram of the unscaled gradients of every variable computed in 16 bits."""
+        return dict(sorted(_sum_histograms([v for v in self.variables if v.dtype != "float32"]).items()))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as plain Python values (JSON-ready apart from non-finite floats)."""
+        return dataclasses.asdict(self)
+
+
+def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None) -> PrecisionReport:
+    """Compares the trainer's model in its policy with float32 on its next `num_batches` train batches.
+
+    Both passes start from the trainer's current weights (call `trainer.restore()` first to diagnose a
+    checkpoint) and see the same micro-batches, split as the train step splits them. The model's
+    variables are left bit-identical and the optimizer and loss scale untouched, but
+    `trainer.train_iterator` advances by `num_batches`.
+
+    Args:
+      trainer: a constructed `mixloop.Trainer`.
+      num_batches: train batches to read, at least 1.
+      loss_scale: the loss scale to examine gradients at; by default the trainer's current scale.
+
+    Raises:
+      UserError: when the policy computes in float32, so there is nothing to compare, or the
+        trainer's strategy has several replicas (the passes run eagerly on one device).
+      ValueError: when `num_batches` is below 1 or `loss_scale` is not positive and finite.
+    """
+    policy = trainer.policy
+    if policy.compute_dtype == tf.float32:
+        raise UserError(
+            f"precision.policy={trainer.config.precision.policy!r} computes in float32: there is nothing "
+            "to compare; diagnose a 16-bit policy, e.g. --config.precision.policy=mixed_float16"
+        )
+    if trainer.strategy.num_replicas_in_sync > 1:
+        raise UserError(
+            f"the diagnosis runs on one device, but config.distribution={trainer.config.distribution!r} "
+            f"gives {trainer.strategy.num_replicas_in_sync} replicas; add --config.distribution=one_device"
+        )
+    if num_batches < 1:
+        raise ValueError(f"num_batches must be at least 1, got {num_batches!r}")
+    scale = float(trainer.loss_scale.scale.numpy()) if loss_scale is None else float(loss_scale)
+    if not 0 < scale < math.inf:
+        raise ValueError(f"loss_scale must be positive and finite, got {loss_scale!r}")
+
+    model = trainer.model
+    twin = build_model(trainer.build_model, Policy.from_string("float32"))
+    twin.set_weights(model.get_weights())
+    saved = [variable.numpy() for variable in model.variables]
+    try:
+        layers, variables = _measure(trainer, twin, num_batches, scale)
+    finally:
+        # The forward passes ran in training mode, which moves e.g. BatchNorm statistics.
+        for variable, value in zip(model.variables, saved):
+            variable.assign(value)
+
+    # Pooled over every gradient value computed in 16 bits.
+    low_variables = [v for v in variables if v.dtype != "float32"]
+    num_values = sum(v.num_values for v in low_variables) or 1
+    fractions = [sum(getattr(v, name) * v.num_values for v in low_variables) / num_values
+                 for name in ("zero_fraction", "subnormal_fraction", "overflow_fraction")]
+    return PrecisionReport(
+        trainer=trainer.config.trainer, policy=str(policy), compute_dtype=policy.compute_dtype.name,
+        step=int(trainer.global_step.numpy()), num_batches=num_batches,
+        num_micro_batches=num_batches * trainer.train_step.accumulation_steps, loss_scale=scale,
+        gradient_zero_fraction=fractions[0], gradient_subnormal_fraction=fractions[1],
+        gradient_overflow_fraction=fractions[2], layers=layers, variables=variables,
+        advice=_advise(layers, variables, fractions, scale, policy, trainer.config.precision),
+    )
+
+
+# ----- Measuring: two passes per micro-batch, summed into tallies. -----
+
+
+@dataclasses.dataclass
+class _Call:
+    inputs: list[tf.Tensor]  # The floating inputs, after the layer's own autocast.
+    outputs: list[tf.Tensor]  # The floating outputs.
+
+
+@dataclasses.dataclass
+class _Pass:
+    calls: dict[int, list[_Call]]  # Layer index -> its calls, in order of the layers' first calls.
+    grads: list[np.ndarray]  # Unscaled float32 gradients of the trainable variables.
+    output_grads: dict[int, list[list[np.ndarray]]]  # Layer index -> per call, its outputs' gradients.
+
+
+def _measure(trainer, twin: keras.Model, num_batches: int, scale: float):
+    """Runs both passes over the micro-batches and returns (layer reports, variable reports)."""
+    model, policy = trainer.model, trainer.policy
+    model_layers = list(model._flatten_layers(include_self=False))
+    twin_layers = list(twin._flatten_layers(include_self=False))
+    layer_tallies = {
+        index: _LayerTally(layer_path(layer), layer.compute_dtype)
+        for index, layer in enumerate(model_layers) if tf.as_dtype(layer.compute_dtype).is_floating
+    }
+    dtypes = _gradient_dtypes(model_layers, model.trainable_variables, policy)
+    variable_tallies = [_VariableTally(v.path, dtype) for v, dtype in zip(model.trainable_variables, dtypes)]
+    order: dict[int, None] = {}
+    float32 = Policy.from_string("float32")
+    for batch in itertools.islice(trainer.train_iterator, num_batches):
+        for micro_batch in _micro_batches(batch, trainer.train_step.accumulation_steps):
+            reference = _forward_backward(trainer, twin, float32, twin_layers, micro_batch, 1.0)
+            mixed = _forward_backward(trainer, model, policy, model_layers, micro_batch, scale)
+            order.update(dict.fromkeys(i for i in reference.calls if i in layer_tallies))
+            for index in order:
+                layer_tallies[index].add(reference.calls.get(index, []), reference.output_grads.get(index, []),
+                                         mixed.calls.get(index, []), scale)
+            for tally, float32_grad, mixed_grad in zip(variable_tallies, reference.grads, mixed.grads):
+                tally.add(float32_grad, mixed_grad, scale)
+    return [layer_tallies[i].report() for i in order], [t.report() for t in variable_tallies]
+
+
+def _micro_batches(batch: Any, num_micro_batches: int) -> list:
+    if num_micro_batches == 1:
+        return [batch]
+    split = split_micro_batches(batch, num_micro_batches)
+    return [tf.nest.map_structure(lambda t, i=i: t[i], split) for i in range(num_micro_batches)]
+
+
+def _forward_backward(trainer, model: keras.Model, policy: Policy, layers: list, batch: Any,
+                      scale: float) -> _Pass:
+    """The train step's micro-step in `policy`, recording every layer call; gradients are unscaled."""
+    with tf.GradientTape() as tape, _recording_calls(layers, tape.watch) as calls:
+        inputs = policy.cast_to_compute(trainer.model_inputs(batch))
+        outputs = policy.cast_to_output(model(inputs, training=True))
+        loss_sum, _ = as_sum_and_weight(trainer.compute_loss(outputs, batch))
+        scaled_loss = loss_sum * scale
+    layer_outputs = {index: [call.outputs for call in records] for index, records in calls.items()}
+    grads, output_grads = tape.gradient(
+        scaled_loss, (model.trainable_variables, layer_outputs),
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+    )
+    return _Pass(
+        calls=calls,
+        grads=[_as_float32(g) / np.float32(scale) for g in grads],
+        output_grads=tf.nest.map_structure(_as_float32, output_grads),
+    )
+
+
+@contextlib.contextmanager
+def _recording_calls(layers: list, watch) -> Iterator[dict[int, list[_Call]]]:
+    """Wraps each layer's `call` to record its floating inputs and outputs (and `watch` the outputs,
+    so the tape can differentiate by them); unwraps on exit."""
+    calls: dict[int, list[_Call]] = {}
+
+    def recording(index, layer, call):
+        def recorded_call(*args, **kwargs):
+            records = calls.setdefault(index, [])  # On entry, so a block comes before its sublayers.
+            if isinstance(layer, _NOISE_LAYERS):
+                kwargs["training"] = False
+            outputs = call(*args, **kwargs)
+            floating_outputs = _floating((outputs,))
+            for tensor in floating_outputs:
+                watch(tensor)
+            records.append(_Call(_floating((args, kwargs)), floating_outputs))
+            return outputs
+
+        return recorded_call
+
+    # object.__setattr__ bypasses Keras's attribute tracking, which would track the wrapper.
+    for index, layer in enumerate(layers):
+        object.__setattr__(layer, "call", recording(index, layer, layer.call))
+    try:
+        yield calls
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "call")
+
+
+def _floating(structure: Any) -> list[tf.Tensor]:
+    return [t for t in tf.nest.flatten(structure) if tf.is_tensor(t) and t.dtype.is_floating]
+
+
+def _as_float32(tensor: Any) -> np.ndarray:
+    """A float32 NumPy copy of a tensor (IndexedSlices gradients become dense)."""
+    return tf.cast(tf.convert_to_tensor(tensor), tf.float32).numpy()
+
+
+def _gradient_dtypes(layers: list, variables: list, policy: Policy) -> list[str]:
+    """The dtype each variable's gradient is computed in: its owning layer's compute dtype."""
+    compute_dtypes = {layer.path: layer.compute_dtype for layer in layers if layer.path}
+    default = policy.compute_dtype.name
+    return [compute_dtypes.get(v.path.rpartition("/")[0], default) for v in variables]
+
+
+def _cast_counts(values: np.ndarray, scale: float, dtype: str) -> np.ndarray:
+    """[nonzero, zero, subnormal, inf]: of the nonzero float32 `values`, how many become zero,
+    subnormal or inf once multiplied by `scale` (in float32) and cast to `dtype`."""
+    nonzero = values[values != 0]
+    with np.errstate(over="ignore"):
+        scaled = nonzero * np.float32(scale)
+    cast = np.abs(_as_float32(tf.cast(scaled, dtype)))
+    min_normal = DtypeRange.of(dtype).min_normal
+    return np.array([nonzero.size, np.sum(cast == 0), np.sum((cast > 0) & (cast < min_normal)),
+                     np.sum(np.isinf(cast))], np.int64)
+
+
+def _log2_histogram(values: np.ndarray) -> np.ndarray:
+    """Counts of the finite nonzero magnitudes by exponent, index k - _MIN_EXPONENT for [2**k, 2**(k+1))."""
+    magnitudes = np.abs(values[np.isfinite(values) & (values != 0)])
+    _, exponents = np.frexp(magnitudes)  # magnitude = mantissa * 2**exponent, mantissa in [0.5, 1).
+    return np.bincount(exponents - 1 - _MIN_EXPONENT, minlength=_MAX_EXPONENT - _MIN_EXPONENT + 1)
+
+
+def _max_abs(arrays: list[np.ndarray]) -> float:
+    finite = [np.abs(a[np.isfinite(a)]) for a in arrays]
+    return max((float(a.max()) for a in finite if a.size), default=0.0)
+
+
+def _num_non_finite(arrays: list[np.ndarray]) -> int:
+    return sum(int(np.sum(~np.isfinite(a))) for a in arrays)
+
+
+def _fraction(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+class _LayerTally:
+    """One layer's values summed over micro-batches."""
+
+    def __init__(self, path: str, compute_dtype: str):
+        self.path, self.compute_dtype = path, compute_dtype
+        self.max_abs_input: Optional[float] = None  # Stays None for layers that read only ids.
+        self.max_abs_output = self.max_abs_output_grad = 0.0
+        self.non_finite_outputs = self.float32_non_finite_outputs = 0
+        self.creates_non_finite = False
+        self.grad_counts = np.zeros(4, np.int64)
+
+    def add(self, float32_calls: list[_Call], output_grads: list, mixed_calls: list[_Call], scale: float):
+        for call in float32_calls:
+            outputs = [_as_float32(t) for t in call.outputs]
+            if call.inputs:
+                largest_input = _max_abs([_as_float32(t) for t in call.inputs])
+                self.max_abs_input = max(self.max_abs_input or 0.0, largest_input)
+            self.max_abs_output = max(self.max_abs_output, _max_abs(outputs))
+            self.float32_non_finite_outputs += _num_non_finite(outputs)
+        for grad in itertools.chain.from_iterable(output_grads):
+            self.max_abs_output_grad = max(self.max_abs_output_grad, _max_abs([grad]))
+            self.grad_counts += _cast_counts(grad, scale, self.compute_dtype)
+        for call in mixed_calls:
+            num_bad = _num_non_finite([_as_float32(t) for t in call.outputs])
+            self.non_finite_outputs += num_bad
+            if num_bad and not _num_non_finite([_as_float32(t) for t in call.inputs]):
+                self.creates_non_finite = True
+
+    def report(self) -> LayerReport:
+        max_abs = max(self.max_abs_input or 0.0, self.max_abs_output)
+        return LayerReport(
+            path=self.path, compute_dtype=self.compute_dtype, max_abs_input=self.max_abs_input,
+            max_abs_output=self.max_abs_output,
+            headroom_bits=DtypeRange.of(self.compute_dtype).headroom_bits(max_abs),
+            non_finite_outputs=self.non_finite_outputs, creates_non_finite=self.creates_non_finite,
+            float32_non_finite_outputs=self.float32_non_finite_outputs,
+            max_abs_output_grad=self.max_abs_output_grad,
+            output_grad_zero_fraction=_fraction(self.grad_counts[1], self.grad_counts[0]),
+        )
+
+
+class _VariableTally:
+    """One variable's gradients summed over micro-batches."""
+
+    def __init__(self, path: str, dtype: str):
+        self.path, self.dtype = path, dtype
+        self.counts = np.zeros(4, np.int64)  # As _cast_counts.
+        self.num_mixed_zero = 0
+        self.max_abs, self.min_abs = 0.0, math.inf
+        self.error_squared = self.reference_squared = 0.0
+        self.histogram = np.zeros(_MAX_EXPONENT - _MIN_EXPONENT + 1, np.int64)
+
+    def add(self, float32_grad: np.ndarray, mixed_grad: np.ndarray, scale: float) -> None:
+        nonzero = float32_grad != 0
+        self.counts += _cast_counts(float32_grad, scale, self.dtype)
+        self.num_mixed_zero += int(np.sum(nonzero & (mixed_grad == 0)))
+        self.histogram += _log2_histogram(float32_grad)
+        if nonzero.any():
+            magnitudes = np.abs(float32_grad[nonzero])
+            self.max_abs = max(self.max_abs, float(magnitudes.max()))
+            self.min_abs = min(self.min_abs, float(magnitudes.min()))
+        error = mixed_grad.astype(np.float64) - float32_grad
+        self.error_squared += float(np.sum(error**2)) if np.isfinite(mixed_grad).all() else math.inf
+        self.reference_squared += float(np.sum(float32_grad.astype(np.float64) ** 2))
+
+    def report(self) -> VariableReport:
+        num_values = int(self.counts[0])
+        if self.reference_squared:
+            relative_error = math.sqrt(self.error_squared / self.reference_squared)
+        else:
+            relative_error = 0.0 if self.error_squared == 0 else math.inf
+        return VariableReport(
+            path=self.path, dtype=self.dtype, num_values=num_values, max_abs=self.max_abs,
+            min_abs=self.min_abs if num_values else 0.0,
+            zero_fraction=_fraction(self.counts[1], num_values),
+            subnormal_fraction=_fraction(self.counts[2], num_values),
+            overflow_fraction=_fraction(self.counts[3], num_values),
+            mixed_zero_fraction=_fraction(self.num_mixed_zero, num_values),
+            relative_error=relative_error,
+            histogram={k + _MIN_EXPONENT: int(c) for k, c in enumerate(self.histogram) if c},
+        )
+
+
+# ----- Advising. -----
+
+
+def _advise(layers: list[LayerReport], variables: list[VariableReport], fractions: list[float],
+            scale: float, policy: Policy, precision: ml_collections.ConfigDict) -> Advice:
+    """The advice of the module docstring, with the problems that motivate it."""
+    low_layers = [layer for layer in layers if layer.compute_dtype != "float32"]
+    low_variables = [variable for variable in variables if variable.dtype != "float32"]
+    hot = [layer for layer in low_layers if not layer.float32_non_finite_outputs
+           and (layer.headroom_bits < MARGIN_BITS or layer.creates_non_finite)]
+    hot_paths = [layer.path for layer in hot]
+    regex = "|".join(([precision.float32_layers] if precision.float32_layers else [])
+                     + [re.escape(path) for path in hot_paths])
+    # What stays in 16 bits once the hot layers, with their sublayers, compute in float32.
+    kept_layers = [layer for layer in low_layers if not _is_under(layer.path, hot_paths)]
+    kept_variables = [v for v in low_variables if not _is_under(v.path, hot_paths)]
+    largest_grad = _largest_gradient(kept_layers, kept_variables)
+    initial_scale = zero_fraction = None
+    if policy.compute_dtype == tf.float16 and largest_grad > 0:
+        float16 = DtypeRange.of(tf.float16)
+        log2_scale = math.floor(math.log2(float16.max_finite) - MARGIN_BITS - math.log2(largest_grad))
+        initial_scale = 2.0**log2_scale
+        zero_fraction = float16.zero_fraction(_sum_histograms(kept_variables), log2_scale)
+
+    bfloat16 = DtypeRange.of(tf.bfloat16)
+    largest_value = max([layer.max_abs for layer in low_layers]
+                        + [_largest_gradient(low_layers, low_variables)], default=0.0)
+    bfloat16_headroom = bfloat16.headroom_bits(largest_value)
+    bfloat16_zero_fraction = bfloat16.zero_fraction(_sum_histograms(low_variables))
+    # Only a bfloat16 run shows whether bfloat16 itself turns finite inputs into inf or NaN.
+    bfloat16_breaks = policy.compute_dtype == tf.bfloat16 and any(layer.creates_non_finite for layer in hot)
+    return Advice(
+        problems=_problems(layers, hot, fractions, scale, policy.compute_dtype.name),
+        float32_layers=hot_paths, float32_layers_regex=regex, largest_gradient=largest_grad,
+        initial_scale=initial_scale, initial_scale_zero_fraction=zero_fraction,
+        bfloat16_headroom_bits=bfloat16_headroom, bfloat16_zero_fraction=bfloat16_zero_fraction,
+        bfloat16_safe=(bfloat16_headroom >= MARGIN_BITS and bfloat16_zero_fraction <= UNDERFLOW_TOLERANCE
+                       and not bfloat16_breaks),
+        overrides=_overrides(regex if hot_paths else None, initial_scale, precision),
+    )
+
+
+def _largest_gradient(layers: list[LayerReport], variables: list[VariableReport]) -> float:
+    """The largest unscaled gradient of any of `variables` or of the outputs of `layers`."""
+    return max([v.max_abs for v in variables] + [layer.max_abs_output_grad for layer in layers], default=0.0)
+
+
+def _problems(layers: list[LayerReport], hot: list[LayerReport], fractions: list[float], scale: float,
+              dtype_name: str) -> list[str]:
+    problems = [f"{layer.path}: {layer.float32_non_finite_outputs} outputs are inf or NaN even in "
+                "float32, which no precision setting fixes" for layer in layers
+                if layer.float32_non_finite_outputs]
+    problems += [_hot_layer_problem(layer) for layer in hot]
+    zero_fraction, _, overflow_fraction = fractions
+    if zero_fraction > UNDERFLOW_TOLERANCE:
+        problems.append(f"gradients underflow at loss scale {scale:g}: {zero_fraction:.1%} of nonzero "
+                        f"values flush to zero in {dtype_name}")
+    if overflow_fraction > 0:
+        problems.append(f"gradients overflow at loss scale {scale:g}: {overflow_fraction:.2%} of values "
+                        f"become inf in {dtype_name}, which skips the update")
+    return problems
+
+
+def _hot_layer_problem(layer: LayerReport) -> str:
+    limit = f"{layer.compute_dtype}'s largest finite value, {DtypeRange.of(layer.compute_dtype).max_finite:g}"
+    reasons = []
+    if layer.headroom_bits < 0:
+        reasons.append(f"values up to {layer.max_abs:.3g} exceed {limit}")
+    elif layer.headroom_bits < MARGIN_BITS:
+        reasons.append(f"values up to {layer.max_abs:.3g} come within {layer.headroom_bits:.1f} "
+                       f"doublings of {limit}")
+    if layer.creates_non_finite:
+        reasons.append(f"it turned finite inputs into {layer.non_finite_outputs} inf or NaN outputs")
+    return f"{layer.path} ({layer.compute_dtype}): " + "; ".join(reasons)
+
+
+def _overrides(regex: Optional[str], initial_scale: Optional[float],
+               precision: ml_collections.ConfigDict) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    if regex is not None:
+        overrides["precision.float32_layers"] = regex
+    if initial_scale is not None:
+        if parse_loss_scale(precision.loss_scale) != "dynamic":
+            overrides["precision.loss_scale"] = "dynamic"
+        overrides["precision.initial_scale"] = initial_scale
+        # The dynamic scale must start inside its bounds.
+        if initial_scale > precision.max_scale:
+            overrides["precision.max_scale"] = initial_scale
+        if initial_scale < precision.min_scale:
+            overrides["precision.min_scale"] = initial_scale
+    return overrides
+
+
+def _is_under(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root + "/") for root in roots)
+
+
+def _sum_histograms(variables: list[VariableReport]) -> dict[int, int]:
+    total: dict[int, int] = {}
+    for variable in variables:
+        for k, count in variable.histogram.items():
+            total[k] = total.get(k, 0) + count
+    return total

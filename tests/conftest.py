@@ -1,0 +1,30 @@
+"""Shared test setup: quiet TensorFlow, seeded randomness, and Keras's float32 default after every test."""
+
+import os
+
+# Set before TensorFlow is first imported, so its C++ start-up logging stays quiet.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Seeds Python, NumPy, TensorFlow and Keras so every test builds the same weights."""
+    keras.utils.set_random_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def float32_keras_default():
+    """Resets Keras's global dtype policy after each test, so no test leaks a mixed default."""
+    yield
+    keras.config.set_dtype_policy("float32")
+
+import tensorflow as tf  # noqa: E402
+
+# Two logical CPUs, so MirroredStrategy tests have two replicas on a machine without GPUs. It must
+# happen before TensorFlow starts its runtime; the default strategy keeps using the first one.
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+)
