@@ -15,11 +15,7 @@ from mixloop.errors import UserError
 def make_manager(
     workdir: str, max_to_keep: int, **trackables: object
 ) -> tf.train.CheckpointManager:
-    """A `CheckpointManager` over `workdir/checkpoints` saving every trackable passed by keyword.
-
-    Keras model and optimizer variables should be passed as lists (`model.variables`): Keras 3 does
-    not track every variable (such as dropout seed states) through the model object itself.
-    """
+    """A `CheckpointManager` over `workdir/checkpoints` saving every trackable passed by keyword."""
     checkpoint = tf.train.Checkpoint(**trackables)
     return tf.train.CheckpointManager(
         checkpoint, os.path.join(workdir, "checkpoints"), max_to_keep=max_to_keep

@@ -56,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.train.steps_per_loop = 10  # Updates per compiled loop call (Python leaves the hot path).
     config.train.log_every_steps = 100  # Console progress line and TensorBoard train summaries.
     config.train.clip_global_norm = 0.0  # Clip the true gradient to this global norm; 0 disables.
+    config.train.repeat_dataset = False  # Repeat the train data; if False, its end stops the run.
+    config.train.max_consecutive_skips = 50  # Skipped updates in a row that stop the run; 0: never.
+    config.train.max_recoveries = 0  # On divergence, restore the last checkpoint this many times.
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.name = "adamw"  # sgd, momentum, adam or adamw.
@@ -147,6 +150,10 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
              "'dynamic', 'none' or a positive number")
     for key in ("num_steps", "batch_size", "accumulation_steps", "steps_per_loop", "log_every_steps"):
         _require(_is_int(t[key]) and t[key] >= 1, f"train.{key}", t[key], "a positive integer")
+    for key in ("max_consecutive_skips", "max_recoveries"):
+        _require(_is_int(t[key]) and t[key] >= 0, f"train.{key}", t[key], "a non-negative integer")
+    _require(isinstance(t.repeat_dataset, bool), "train.repeat_dataset", t.repeat_dataset,
+             "True or False")
     _require(t.batch_size % t.accumulation_steps == 0, "train.accumulation_steps",
              t.accumulation_steps, f"a divisor of train.batch_size={t.batch_size}")
     _require(_is_number(t.clip_global_norm) and t.clip_global_norm >= 0, "train.clip_global_norm",

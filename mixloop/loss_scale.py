@@ -14,18 +14,26 @@ from typing import Any
 import tensorflow as tf
 
 
-def all_finite(grads: Any, agree_across_replicas: bool = True) -> tf.Tensor:
+def leaves_finite(tree: Any) -> tf.Tensor:
+    """A [num_leaves] tf.bool vector: whether each tensor of `tree` holds only finite values.
+
+    `None` leaves (unconnected variables) are left out.
+    """
+    flags = [tf.reduce_all(tf.math.is_finite(t)) for t in tf.nest.flatten(tree) if t is not None]
+    # tf.stack([]) would be a float32 vector, which reduce_all rejects.
+    return tf.stack(flags) if flags else tf.zeros([0], tf.bool)
+
+
+def all_finite(grads: Any) -> tf.Tensor:
     """Returns a scalar tf.bool: whether every element of every tensor in `grads` is finite.
 
     Inside a `tf.distribute` replica context the answer is agreed by all replicas, so one replica's
-    inf or NaN skips the update on every replica; a caller whose `grads` are already all-reduced
-    (the same on every replica) may pass `agree_across_replicas=False` to save that communication.
-    `None` leaves (unconnected variables) are ignored.
+    inf or NaN skips the update on every replica. `None` leaves (unconnected variables) are ignored.
+    (The train step all-reduces its gradients first, after which `leaves_finite` suffices.)
     """
-    leaves = [g for g in tf.nest.flatten(grads) if g is not None]
-    local = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in leaves])
+    local = tf.reduce_all(leaves_finite(grads))
     replica_context = tf.distribute.get_replica_context()
-    if not agree_across_replicas or replica_context is None or replica_context.num_replicas_in_sync == 1:
+    if replica_context is None or replica_context.num_replicas_in_sync == 1:
         return local
     num_non_finite = replica_context.all_reduce(
         tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(local), tf.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Mapping
 
@@ -52,3 +53,35 @@ def log_eval(step: int, metrics: Mapping[str, float]) -> None:
     """One console line with the eval metrics."""
     text = "  ".join(f"{name} {value:.4f}" for name, value in sorted(metrics.items()))
     logging.info("eval at step %d: %s", step, text)
+
+
+class Interval:
+    """Train statistics summed over the inner loops since the last progress line."""
+
+    def __init__(self, step: int, skipped_total: int):
+        self.start_step, self.start_skipped = step, int(skipped_total)
+        self.seconds = 0.0
+        self.totals: dict[str, float] = {}
+
+    def add(self, totals: Mapping[str, float], seconds: float) -> None:
+        """Adds one inner loop's sums and the seconds it took (evaluation and checkpoints excluded)."""
+        self.seconds += seconds
+        for name in ("loss_sum", "num_finite_loss", "grad_norm_sum", "num_applied"):
+            self.totals[name] = self.totals.get(name, 0.0) + float(totals[name])
+
+    def skipped(self, skipped_total: int) -> int:
+        """Updates skipped since the interval began."""
+        return int(skipped_total) - self.start_skipped
+
+    def summary(self, step: int, skipped_total: int, batch_size: int) -> dict[str, float]:
+        """Mean loss and gradient norm, skipped counts and speed over the interval."""
+        steps_per_sec = (step - self.start_step) / max(self.seconds, 1e-9)
+        t = self.totals
+        return {
+            "loss": t["loss_sum"] / t["num_finite_loss"] if t.get("num_finite_loss") else math.nan,
+            "grad_norm": t["grad_norm_sum"] / t["num_applied"] if t.get("num_applied") else math.nan,
+            "skipped_steps": float(self.skipped(skipped_total)),
+            "skipped_total": float(skipped_total),
+            "steps_per_sec": steps_per_sec,
+            "examples_per_sec": steps_per_sec * batch_size,
+        }

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Union
 import keras
 import tensorflow as tf
 
-from mixloop.loss_scale import NoLossScale, _LossScale, all_finite
+from mixloop.loss_scale import NoLossScale, _LossScale, leaves_finite
 from mixloop.policy import Policy
 
 Batch = Any
@@ -67,7 +67,8 @@ class TrainStep:
     the batch into `accumulation_steps` micro-batches and performs at most one optimizer
     update. It returns a dict of scalars: `loss` (float32, unscaled, averaged by weight over the
     micro-batches), `loss_scale` (the scale used), `grads_finite` (bool), `grad_norm` (float32, of the
-    unscaled averaged gradient before clipping), `applied` (bool) and `weight` (the total loss weight).
+    unscaled averaged gradient before clipping), `applied` (bool), `weight` (the total loss weight)
+    and `inputs_finite` (bool: no inf or NaN in the batch's floating model inputs).
 
     A non-finite gradient skips the update through a graph conditional: model variables (including
     BatchNorm statistics), optimizer slots and the optimizer's iteration count stay bit-identical,
@@ -102,6 +103,12 @@ class TrainStep:
         self.clip_global_norm = clip_global_norm
         self.input_fn = input_fn
         self.strategy = tf.distribute.get_strategy()
+        # Per trainable variable: whether its gradient was non-finite in the last skipped update.
+        self.nonfinite_gradients = tf.Variable(
+            tf.zeros([len(model.trainable_variables)], tf.bool), trainable=False,
+            name="nonfinite_gradients", synchronization=tf.VariableSynchronization.ON_WRITE,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
         # Slots must exist before tracing: a lazily built optimizer cannot be traced inside a cond.
         optimizer.build(model.trainable_variables)
         if self.strategy.num_replicas_in_sync > 1:
@@ -128,27 +135,32 @@ class TrainStep:
         rollback = [tf.identity(v) for v in self.model.non_trainable_variables]
         grads, metrics = self.strategy.run(self._replica_gradients, args=(batch,))
         metrics = {name: self._first_replica(value) for name, value in metrics.items()}
+        finite_per_variable = metrics.pop("finite_per_variable")
         applied = tf.cond(
             metrics["grads_finite"],
             lambda: self._apply(grads),
-            lambda: self._roll_back(rollback),
+            lambda: self._roll_back(rollback, finite_per_variable),
         )
         self.loss_scale.update(metrics["grads_finite"])
         return {**metrics, "loss_scale": scale, "applied": applied}
 
     def _replica_gradients(self, batch: Batch) -> tuple[list, dict[str, tf.Tensor]]:
         """One replica's accumulated gradients, summed over replicas once, averaged, checked, clipped."""
+        nonfinite_inputs = _count_nonfinite_floats(self.input_fn(batch))
         grads, loss_sum, weight = self._accumulate(batch, self.model.trainable_variables)
-        # The only communication of the update: gradients, loss and weight in one all-reduce.
-        grads, loss_sum, weight = _sum_over_replicas((grads, loss_sum, weight))
+        # The only communication of the update: gradients, loss, weight and the input check together.
+        grads, loss_sum, weight, nonfinite_inputs = _sum_over_replicas(
+            (grads, loss_sum, weight, nonfinite_inputs))
         grads = [g / weight for g in grads]
         # Every replica now holds the same sums, so the local verdict is already the global one.
-        grads_finite = all_finite(grads, agree_across_replicas=False)
+        finite_per_variable = leaves_finite(grads)
         grad_norm = tf.linalg.global_norm(grads)
         if self.clip_global_norm is not None:
             grads, _ = tf.clip_by_global_norm(grads, self.clip_global_norm, use_norm=grad_norm)
-        metrics = {"loss": loss_sum / weight, "grads_finite": grads_finite, "grad_norm": grad_norm,
-                   "weight": weight}
+        metrics = {"loss": loss_sum / weight, "grads_finite": tf.reduce_all(finite_per_variable),
+                   "grad_norm": grad_norm, "weight": weight,
+                   "inputs_finite": tf.equal(nonfinite_inputs, 0.0),
+                   "finite_per_variable": finite_per_variable}
         return grads, metrics
 
     def _first_replica(self, value: Any) -> tf.Tensor:
@@ -192,11 +204,26 @@ class TrainStep:
         self.strategy.run(self.optimizer.apply, args=(grads, self.model.trainable_variables))
         return tf.constant(True)
 
-    def _roll_back(self, saved_values: list) -> tf.Tensor:
-        """Restores non-trainable model state (e.g. BatchNorm statistics) updated by the forward pass."""
+    def _roll_back(self, saved_values: list, finite_per_variable: tf.Tensor) -> tf.Tensor:
+        """Restores non-trainable model state (e.g. BatchNorm statistics) updated by the forward pass,
+        and records which gradients were non-finite."""
         for variable, value in zip(self.model.non_trainable_variables, saved_values):
             variable.assign(value)
+        self.nonfinite_gradients.assign(tf.logical_not(finite_per_variable))
         return tf.constant(False)
+
+    def nonfinite_variable_paths(self) -> list[str]:
+        """Paths of the variables whose gradients were non-finite in the last skipped update."""
+        mask = self.nonfinite_gradients.numpy()
+        return [v.path for v, bad in zip(self.model.trainable_variables, mask) if bad]
+
+
+def _count_nonfinite_floats(tree: Any) -> tf.Tensor:
+    """How many floating tensors of `tree` hold an inf or NaN, as a float32 scalar."""
+    floats = [t for t in tf.nest.flatten(tree) if tf.as_dtype(t.dtype).is_floating]
+    if not floats:
+        return tf.constant(0.0)
+    return tf.reduce_sum(tf.cast(tf.logical_not(leaves_finite(floats)), tf.float32))
 
 
 def _sum_over_replicas(value: Any) -> Any:

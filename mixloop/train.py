@@ -61,7 +61,7 @@ def main(argv: list[str]) -> None:
         metrics = train_and_evaluate(_CONFIG.value, workdir)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(error.exit_code)
     logging.info("Final metrics: %s", {k: round(v, 4) for k, v in metrics.items()})
 
 

@@ -2,18 +2,13 @@
 
 A subclass writes plain methods (`build_model`, `build_datasets`, `compute_loss`, optionally
 `eval_metrics`, `build_optimizer`, `model_inputs`). The base class builds them under the precision
-policy, compiles `steps_per_loop` train steps into one `tf.function` (the inner loop), and runs the
-outer loop in Python between those calls: progress lines, TensorBoard, evaluation, checkpoints,
-interruption and export.
+policy, compiles `steps_per_loop` train steps into one `tf.function` (the inner loop, here), and
+hands the outer loop between those calls (progress, evaluation, checkpoints, faults) to controller.py.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import signal
-import time
 from typing import Any, Optional
 
 import keras
@@ -21,10 +16,11 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mixloop import checkpointing, distribution, layer_precision, optimizers, precision_setup, reporting
+from mixloop import (checkpointing, controller, distribution, guard, layer_precision, optimizers,
+                     precision_setup)
+from mixloop.errors import UserError
+from mixloop.loss_scale import DynamicLossScale
 from mixloop.step import Batch, TrainStep, default_input_fn
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Trainer:
@@ -57,24 +53,33 @@ class Trainer:
                 jit_compile=config.jit_compile,
                 input_fn=self.model_inputs,
             )
-            self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-            self.skipped_total = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_total")
+            counter = dict(dtype=tf.int64, trainable=False)
+            self.global_step = tf.Variable(0, name="global_step", **counter)  # Updates, skipped too.
+            self.skipped_total = tf.Variable(0, name="skipped_total", **counter)
+            self.consecutive_skips = tf.Variable(0, name="consecutive_skips", **counter)
+            # Which gradients were non-finite in the first skipped update of the latest streak.
+            self.first_nonfinite = tf.Variable(tf.zeros_like(self.train_step.nonfinite_gradients),
+                                               trainable=False, name="first_nonfinite")
         self._train_data, self.eval_data = self.build_datasets()
         # One replica: the iterator itself is checkpointed. TensorFlow cannot checkpoint a
         # distributed iterator, so several replicas fast-forward the data by the restored step.
-        self._checkpoints_iterator = self.strategy.num_replicas_in_sync == 1
-        self.train_iterator = self._make_train_iterator(0) if self._checkpoints_iterator else None
-        self.checkpoints = checkpointing.make_manager(
-            self._checkpoint_workdir(),
-            config.checkpoint.max_to_keep,
+        self.checkpoints_iterator = self.strategy.num_replicas_in_sync == 1
+        self.train_iterator = self.make_train_iterator(0) if self.checkpoints_iterator else None
+        self.logged_first_skip = False
+        # What a checkpoint holds. Variables go in as lists: Keras 3 does not track every variable
+        # (such as dropout seed states) through the model object.
+        self.checkpointed = dict(
             model_variables=list(self.model.variables),
             optimizer_variables=list(self.optimizer.variables),
             loss_scale=self.loss_scale,
             global_step=self.global_step,
             skipped_total=self.skipped_total,
-            **({"train_iterator": self.train_iterator} if self._checkpoints_iterator else {}),
+            consecutive_skips=self.consecutive_skips,
+            **({"train_iterator": self.train_iterator} if self.checkpoints_iterator else {}),
         )
-        self._stop_signal: Optional[int] = None
+        self.checkpoints = checkpointing.make_manager(
+            self._checkpoint_workdir(), config.checkpoint.max_to_keep, **self.checkpointed
+        )
 
     # ----- What a research subclass writes. -----
 
@@ -109,24 +114,43 @@ class Trainer:
 
     @tf.function
     def _train_loop(self, iterator, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
-        """The inner loop: `num_steps` train steps in one graph, returning sums for reporting."""
+        """The inner loop: up to `num_steps` train steps in one graph, returning sums for reporting.
+
+        It ends early, with a `guard` reason in `stop_reason`, when the data runs out or an update
+        shows the run diverging; `last_*` hold that update's loss, scale and input check.
+        """
+        min_scale = self.loss_scale.min_scale if isinstance(self.loss_scale, DynamicLossScale) else None
         totals = {
             "loss_sum": tf.constant(0.0), "num_finite_loss": tf.constant(0.0),
             "grad_norm_sum": tf.constant(0.0), "num_applied": tf.constant(0.0),
+            "stop_reason": tf.constant(guard.CONTINUE), "last_loss": tf.constant(0.0),
+            "last_scale": tf.constant(0.0), "last_inputs_finite": tf.constant(True),
         }
         for _ in tf.range(num_steps):
-            metrics = self.train_step(next(iterator))
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                totals["stop_reason"] = tf.constant(guard.END_OF_DATA)
+                break
+            metrics = self.train_step(batch.get_value())
+            applied = metrics["applied"]
             finite_loss = tf.math.is_finite(metrics["loss"])
-            applied = tf.cast(metrics["applied"], tf.float32)
-            totals = {
-                "loss_sum": totals["loss_sum"] + tf.where(finite_loss, metrics["loss"], 0.0),
-                "num_finite_loss": totals["num_finite_loss"] + tf.cast(finite_loss, tf.float32),
-                "grad_norm_sum": totals["grad_norm_sum"]
-                + tf.where(metrics["applied"], metrics["grad_norm"], 0.0),
-                "num_applied": totals["num_applied"] + applied,
-            }
+            totals["loss_sum"] += tf.where(finite_loss, metrics["loss"], 0.0)
+            totals["num_finite_loss"] += tf.cast(finite_loss, tf.float32)
+            totals["grad_norm_sum"] += tf.where(applied, metrics["grad_norm"], 0.0)
+            totals["num_applied"] += tf.cast(applied, tf.float32)
+            totals["last_loss"] = metrics["loss"]
+            totals["last_scale"] = metrics["loss_scale"]
+            totals["last_inputs_finite"] = metrics["inputs_finite"]
+            if not applied and self.consecutive_skips == 0:
+                self.first_nonfinite.assign(self.train_step.nonfinite_gradients)
+            self.consecutive_skips.assign(tf.where(applied, tf.constant(0, tf.int64),
+                                                   self.consecutive_skips + 1))
             self.global_step.assign_add(1)
-            self.skipped_total.assign_add(1 - tf.cast(metrics["applied"], tf.int64))
+            self.skipped_total.assign_add(1 - tf.cast(applied, tf.int64))
+            totals["stop_reason"] = guard.stop_reason(
+                metrics, self.consecutive_skips, self.config.train.max_consecutive_skips, min_scale)
+            if totals["stop_reason"] != guard.CONTINUE:
+                break
         return totals
 
     @tf.function
@@ -147,57 +171,34 @@ class Trainer:
             for name, value in self._eval_step(batch).items():
                 sums[name] = sums.get(name, 0.0) + float(value)
             count += 1
-        return {name: total / count for name, total in sums.items()} if count else {}
+        if not count:
+            raise UserError(controller.EMPTY_EVAL_DATA)
+        return {name: total / count for name, total in sums.items()}
 
     def restore(self) -> Optional[str]:
         """Restores the workdir's latest checkpoint; returns its path, or None for a fresh run."""
-        return checkpointing.restore_latest(self.checkpoints, self._resume_directory())
+        return checkpointing.restore_latest(self.checkpoints, self.resume_directory())
 
     def train(self) -> dict[str, float]:
         """Runs (or resumes) training to `config.train.num_steps` updates; returns the last metrics.
 
         On SIGINT or SIGTERM it finishes the current loop, saves a checkpoint and returns early.
+
+        Raises:
+          UserError: for a checkpoint that does not fit, a workdir in use, an empty eval set, or a
+            failing train step; `guard.TrainingDiverged` when the run diverges.
         """
-        self.restore()
-        if self.is_chief:
-            self._write_config()
-        num_steps = self.config.train.num_steps
-        writer = reporting.MetricWriter(self.workdir, enabled=self.is_chief)
-        step = int(self.global_step.numpy())
-        if not self._checkpoints_iterator:
-            self.train_iterator = self._make_train_iterator(step)
-        if step >= num_steps:
-            logging.info("Already trained to step %d of %d; nothing to do.", step, num_steps)
-        metrics: dict[str, float] = {}
-        interval = _Interval(step, self.skipped_total.numpy())
-        previous_handlers = self._catch_stop_signals()
-        try:
-            while step < num_steps and self._stop_signal is None:
-                started = time.perf_counter()
-                totals = self._train_loop(self.train_iterator, tf.constant(self._loop_length(step)))
-                interval.add({name: float(value) for name, value in totals.items()},
-                             time.perf_counter() - started)
-                step = int(self.global_step.numpy())
-                if self._is_due(step, self.config.train.log_every_steps):
-                    metrics = self._report_train(writer, step, interval)
-                    interval = _Interval(step, self.skipped_total.numpy())
-                if self._is_due(step, self.config.eval.every_steps) and self.eval_data is not None:
-                    metrics.update(self._report_eval(writer, step))
-                if self._is_due(step, self.config.checkpoint.every_steps):
-                    self.checkpoints.save(checkpoint_number=step)
-        finally:
-            _restore_signal_handlers(previous_handlers)
-        if self.checkpoints.latest_checkpoint != self._checkpoint_path(step):
-            self.checkpoints.save(checkpoint_number=step)
-        if self._stop_signal is not None:
-            logging.info(
-                "Stopped by %s at step %d; checkpoint saved in %s. Run the same command to resume.",
-                signal.Signals(self._stop_signal).name, step, self.checkpoints.directory,
-            )
-            return metrics
-        if self.is_chief:
-            self.export()
-        return metrics
+        return controller.train(self)
+
+    def restore_weights(self, path: str) -> None:
+        """Restores model, optimizer, loss scale and counters from `path`, but not the data position."""
+        weights = {name: value for name, value in self.checkpointed.items() if name != "train_iterator"}
+        tf.train.Checkpoint(**weights).restore(path).expect_partial()
+
+    def nonfinite_variable_paths(self) -> list[str]:
+        """Paths of the variables whose gradients were non-finite first in the latest skip streak."""
+        mask = self.first_nonfinite.numpy()
+        return [v.path for v, bad in zip(self.model.trainable_variables, mask) if bad]
 
     def export(self) -> str:
         """Saves the model in float32 as `workdir/model.keras` for inference; returns the path."""
@@ -209,22 +210,15 @@ class Trainer:
         logging.info("Exported the float32 model to %s", path)
         return path
 
-    # ----- Private helpers of the outer loop. -----
+    # ----- Private helpers. -----
 
-    def _loop_length(self, step: int) -> int:
-        """Steps until the next loop boundary: steps_per_loop, or sooner at a log/eval/checkpoint step."""
-        c = self.config
-        cadences = (c.train.steps_per_loop, c.train.log_every_steps, c.eval.every_steps,
-                    c.checkpoint.every_steps)
-        until = [every - step % every for every in cadences if every]
-        return min(until + [c.train.num_steps - step])
+    def make_train_iterator(self, start_step: int):
+        """An iterator over the train data, distributed, `start_step` global batches in.
 
-    def _is_due(self, step: int, every: int) -> bool:
-        return step == self.config.train.num_steps or (every > 0 and step % every == 0)
-
-    def _make_train_iterator(self, start_step: int):
-        """An iterator over the repeated train data, distributed, `start_step` global batches in."""
-        data = self._train_data.repeat().skip(start_step).prefetch(tf.data.AUTOTUNE)
+        The data repeats when `config.train.repeat_dataset` says so; otherwise it may run out.
+        """
+        data = self._train_data.repeat() if self.config.train.repeat_dataset else self._train_data
+        data = data.skip(start_step).prefetch(tf.data.AUTOTUNE)
         return iter(distribution.distribute(self.strategy, lambda: data, self.config.train.batch_size))
 
     def _checkpoint_workdir(self) -> str:
@@ -236,70 +230,6 @@ class Trainer:
             return self.workdir
         return os.path.join(self.workdir, f"worker-{distribution.worker_index(self.strategy)}")
 
-    def _resume_directory(self) -> str:
+    def resume_directory(self) -> str:
+        """The checkpoints every process resumes from: the chief's."""
         return os.path.join(self.workdir, "checkpoints")
-
-    def _checkpoint_path(self, step: int) -> str:
-        return os.path.join(self.checkpoints.directory, f"ckpt-{step}")
-
-    def _report_train(self, writer: reporting.MetricWriter, step: int, interval: "_Interval") -> dict:
-        scalars = interval.summary(step, self.skipped_total.numpy(), self.config.train.batch_size)
-        scalars["loss_scale"] = float(self.loss_scale.scale.numpy())
-        scalars["learning_rate"] = float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
-        writer.write("train", step, scalars)
-        reporting.log_progress(step, self.config.train.num_steps, scalars)
-        return scalars
-
-    def _report_eval(self, writer: reporting.MetricWriter, step: int) -> dict:
-        metrics = self.evaluate()
-        writer.write("eval", step, metrics)
-        reporting.log_eval(step, metrics)
-        return {f"eval_{name}": value for name, value in metrics.items()}
-
-    def _write_config(self) -> None:
-        os.makedirs(self.workdir, exist_ok=True)
-        with open(os.path.join(self.workdir, "config.json"), "w") as f:
-            f.write(self.config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-
-    def _catch_stop_signals(self) -> dict:
-        """Turns SIGINT/SIGTERM into a request to stop at the next loop boundary."""
-
-        def request_stop(signum, frame):
-            self._stop_signal = signum
-
-        try:
-            return {sig: signal.signal(sig, request_stop) for sig in _STOP_SIGNALS}
-        except ValueError:  # Not the main thread: signals stay with their owner.
-            return {}
-
-
-def _restore_signal_handlers(handlers: dict) -> None:
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
-
-
-class _Interval:
-    """Train statistics summed since the last progress line."""
-
-    def __init__(self, step: int, skipped_total: int):
-        self.start_step, self.start_skipped = step, int(skipped_total)
-        self.seconds = 0.0
-        self.totals: dict[str, float] = {}
-
-    def add(self, totals: dict[str, float], seconds: float) -> None:
-        """Adds one inner loop's sums and the seconds it took (evaluation and checkpoints excluded)."""
-        self.seconds += seconds
-        for name, value in totals.items():
-            self.totals[name] = self.totals.get(name, 0.0) + value
-
-    def summary(self, step: int, skipped_total: int, batch_size: int) -> dict[str, float]:
-        steps_per_sec = (step - self.start_step) / max(self.seconds, 1e-9)
-        t = self.totals
-        return {
-            "loss": t["loss_sum"] / t["num_finite_loss"] if t["num_finite_loss"] else math.nan,
-            "grad_norm": t["grad_norm_sum"] / t["num_applied"] if t["num_applied"] else math.nan,
-            "skipped_steps": float(int(skipped_total) - self.start_skipped),
-            "skipped_total": float(skipped_total),
-            "steps_per_sec": steps_per_sec,
-            "examples_per_sec": steps_per_sec * batch_size,
-        }

@@ -50,6 +50,7 @@ def get_config(arg=None):
     config.train.batch_size = 32
     config.train.accumulation_steps = 2
     config.train.steps_per_loop = 5
+    config.train.repeat_dataset = True
     config.train.log_every_steps = 10
     config.eval.every_steps = 20
     config.checkpoint.every_steps = 20

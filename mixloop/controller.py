@@ -1,0 +1,193 @@
+"""The outer loop: between compiled inner loops, report, evaluate, checkpoint, and handle faults.
+
+Orbit's split: the Trainer owns the compiled inner loop, this module the Python around it. It keeps
+the workdir safe (a lock, the config history, no checkpoint of a diverged state), turns SIGINT and
+SIGTERM into a checkpoint and a clean exit, and stops on divergence or at the end of the data.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import TYPE_CHECKING
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from mixloop import guard, reporting, workdir
+from mixloop.errors import UserError
+
+EMPTY_EVAL_DATA = "the eval dataset is empty: build_datasets() returned one with no batches"
+
+if TYPE_CHECKING:
+    from mixloop.trainer import Trainer
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _StopRequest:
+    """Turns SIGINT and SIGTERM into a request to stop at the next loop boundary."""
+
+    def __init__(self):
+        self.signal_number = None
+        self._previous = {}
+
+    def __enter__(self) -> "_StopRequest":
+        try:
+            self._previous = {sig: signal.signal(sig, self._request) for sig in _STOP_SIGNALS}
+        except ValueError:  # Not the main thread: signals stay with their owner.
+            self._previous = {}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _request(self, signal_number, frame) -> None:
+        self.signal_number = signal_number
+
+
+def _loop_length(trainer: "Trainer", step: int) -> int:
+    """Steps to the next boundary: steps_per_loop, or sooner at a log, eval or checkpoint step."""
+    c = trainer.config
+    cadences = (c.train.steps_per_loop, c.train.log_every_steps, c.eval.every_steps,
+                c.checkpoint.every_steps)
+    return min([every - step % every for every in cadences if every] + [c.train.num_steps - step])
+
+
+def _is_due(trainer: "Trainer", step: int, every: int) -> bool:
+    return step == trainer.config.train.num_steps or (every > 0 and step % every == 0)
+
+
+def _save(trainer: "Trainer", step: int) -> None:
+    if trainer.checkpoints.latest_checkpoint != f"{trainer.checkpoints.directory}/ckpt-{step}":
+        trainer.checkpoints.save(checkpoint_number=step)
+
+
+def train(trainer: "Trainer") -> dict[str, float]:
+    """Runs `trainer` to `config.train.num_steps`, resuming from its workdir; returns the last metrics."""
+    trainer.restore()  # Before anything is written: a checkpoint that does not fit changes nothing.
+    lock_directory = trainer.workdir if trainer.is_chief else trainer.checkpoints.directory
+    with workdir.WorkdirLock(lock_directory), _StopRequest() as stop:
+        step = int(trainer.global_step.numpy())
+        if trainer.is_chief:
+            workdir.write_config(trainer.workdir, trainer.config, step)
+        if trainer.eval_data is not None and next(iter(trainer.eval_data.take(1)), None) is None:
+            raise UserError(EMPTY_EVAL_DATA)
+        metrics, reason = _run_loops(trainer, stop)
+        step = int(trainer.global_step.numpy())
+        if reason in (guard.NONFINITE_LOSS, guard.TOO_MANY_SKIPS, guard.OVERFLOW_AT_MIN_SCALE):
+            raise guard.TrainingDiverged(_divergence_message(trainer, reason, metrics))
+        _save(trainer, step)
+        if stop.signal_number is not None:
+            logging.info("Stopped by %s at step %d; checkpoint saved in %s. Run the same command "
+                         "to resume.", signal.Signals(stop.signal_number).name, step,
+                         trainer.checkpoints.directory)
+            return metrics
+        if reason == guard.END_OF_DATA:
+            logging.warning("The train dataset ended at step %d of %d; checkpoint saved. Set "
+                            "config.train.repeat_dataset=True to repeat it.", step,
+                            trainer.config.train.num_steps)
+            return metrics
+        if trainer.is_chief:
+            trainer.export()
+    return metrics
+
+
+def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float], int]:
+    """Inner loops until num_steps, a stop request, the end of the data or divergence."""
+    config = trainer.config
+    num_steps = config.train.num_steps
+    writer = reporting.MetricWriter(trainer.workdir, enabled=trainer.is_chief)
+    step = int(trainer.global_step.numpy())
+    if not trainer.checkpoints_iterator:
+        trainer.train_iterator = trainer.make_train_iterator(step)
+    if step >= num_steps:
+        logging.info("Already trained to step %d of %d; nothing to do.", step, num_steps)
+    metrics: dict[str, float] = {}
+    interval = reporting.Interval(step, trainer.skipped_total.numpy())
+    recoveries = 0
+    while step < num_steps and stop.signal_number is None:
+        started = time.perf_counter()
+        try:
+            totals = trainer._train_loop(trainer.train_iterator,
+                                         tf.constant(_loop_length(trainer, step)))
+            totals = {name: value.numpy() for name, value in totals.items()}
+        except tf.errors.InvalidArgumentError as error:
+            raise UserError(f"the train step failed near step {step + 1}: "
+                            f"{error.message.strip().splitlines()[0]}") from None
+        interval.add(totals, time.perf_counter() - started)
+        step = int(trainer.global_step.numpy())
+        _log_first_skip(trainer, interval)
+        reason = int(totals["stop_reason"])
+        metrics.update(last_loss=float(totals["last_loss"]), last_scale=float(totals["last_scale"]),
+                       last_inputs_finite=bool(totals["last_inputs_finite"]))
+        if reason in (guard.NONFINITE_LOSS, guard.TOO_MANY_SKIPS, guard.OVERFLOW_AT_MIN_SCALE):
+            if recoveries >= config.train.max_recoveries:
+                return metrics, reason
+            recoveries += 1
+            _recover(trainer, reason, metrics, recoveries)
+            step = int(trainer.global_step.numpy())
+            interval = reporting.Interval(step, trainer.skipped_total.numpy())
+            continue
+        if _is_due(trainer, step, config.train.log_every_steps) or reason == guard.END_OF_DATA:
+            metrics.update(_report_train(trainer, writer, step, interval))
+            interval = reporting.Interval(step, trainer.skipped_total.numpy())
+        if reason == guard.END_OF_DATA:
+            return metrics, reason
+        if _is_due(trainer, step, config.eval.every_steps) and trainer.eval_data is not None:
+            metrics.update(_report_eval(trainer, writer, step))
+        if _is_due(trainer, step, config.checkpoint.every_steps):
+            _save(trainer, step)
+    return metrics, guard.CONTINUE
+
+
+def _divergence_message(trainer: "Trainer", reason: int, metrics: dict) -> str:
+    message = guard.describe(
+        reason, step=int(trainer.global_step.numpy()), loss=metrics["last_loss"],
+        inputs_finite=metrics["last_inputs_finite"], scale=metrics["last_scale"],
+        consecutive_skips=int(trainer.consecutive_skips.numpy()),
+        max_consecutive_skips=trainer.config.train.max_consecutive_skips,
+        nonfinite_paths=trainer.nonfinite_variable_paths(),
+    )
+    last_good = tf.train.latest_checkpoint(trainer.resume_directory())
+    return f"{message}; last good checkpoint: {last_good or 'none yet'}"
+
+
+def _recover(trainer: "Trainer", reason: int, metrics: dict, recoveries: int) -> None:
+    """Restores the last good checkpoint (the data keeps moving forward) and goes on."""
+    message = _divergence_message(trainer, reason, metrics)
+    path = tf.train.latest_checkpoint(trainer.resume_directory())
+    if path is None:
+        raise guard.TrainingDiverged(message)
+    logging.warning("Recovery %d of %d: %s. Restoring %s and continuing with later data.",
+                    recoveries, trainer.config.train.max_recoveries, message, path)
+    trainer.restore_weights(path)
+
+
+def _log_first_skip(trainer: "Trainer", interval: reporting.Interval) -> None:
+    """Names, once per run, the variables behind the first non-finite update."""
+    if trainer.logged_first_skip or interval.skipped(trainer.skipped_total.numpy()) == 0:
+        return
+    trainer.logged_first_skip = True
+    logging.info("First skipped update (non-finite gradients) by step %d: non-finite in %s",
+                 int(trainer.global_step.numpy()),
+                 guard.describe_variables(trainer.nonfinite_variable_paths()))
+
+
+def _report_train(trainer: "Trainer", writer: reporting.MetricWriter, step: int,
+                  interval: reporting.Interval) -> dict:
+    scalars = interval.summary(step, trainer.skipped_total.numpy(), trainer.config.train.batch_size)
+    scalars["loss_scale"] = float(trainer.loss_scale.scale.numpy())
+    scalars["learning_rate"] = float(keras.ops.convert_to_numpy(trainer.optimizer.learning_rate))
+    writer.write("train", step, scalars)
+    reporting.log_progress(step, trainer.config.train.num_steps, scalars)
+    return scalars
+
+
+def _report_eval(trainer: "Trainer", writer: reporting.MetricWriter, step: int) -> dict:
+    metrics = trainer.evaluate()
+    writer.write("eval", step, metrics)
+    reporting.log_eval(step, metrics)
+    return {f"eval_{name}": value for name, value in metrics.items()}

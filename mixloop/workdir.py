@@ -1,0 +1,101 @@
+"""Workdir safety: one run per workdir (a lock file with the owner's pid), and the config history."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+import ml_collections
+from absl import logging
+
+from mixloop.errors import UserError
+
+LOCK_NAME = ".lock"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # Alive, owned by someone else.
+        return True
+    return True
+
+
+class WorkdirLock:
+    """Holds `directory/.lock` (pid and host of the owner) while a run writes into `directory`.
+
+    A lock left by a process that no longer runs on this host is stale and taken over with a warning;
+    a live owner, or one on another host, makes the second run refuse.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_NAME)
+
+    def __enter__(self) -> "WorkdirLock":
+        os.makedirs(self.directory, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                self._clear_stale_lock()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+            return self
+        raise UserError(f"could not take the lock {self.path}; another run is starting there")
+
+    def __exit__(self, *exc_info) -> None:
+        os.remove(self.path)
+
+    def _clear_stale_lock(self) -> None:
+        try:
+            with open(self.path) as f:
+                owner = json.load(f)
+            pid, host = int(owner["pid"]), str(owner["host"])
+        except (OSError, ValueError, KeyError, TypeError):
+            owner, pid, host = None, -1, socket.gethostname()  # Half-written: its writer died.
+        if host != socket.gethostname() or (owner is not None and _process_alive(pid)):
+            raise UserError(
+                f"workdir {self.directory} is in use by process {pid} on {host} (lock {self.path}); "
+                "stop that run, or delete the lock if it is gone, or choose another --workdir"
+            )
+        logging.warning("Removing the stale lock %s of process %d, which no longer runs", self.path, pid)
+        os.remove(self.path)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def config_changes(old: dict, new: dict) -> list[str]:
+    """'key: old -> new' for every leaf that differs between two nested config dicts."""
+    before, after = _flatten(old), _flatten(new)
+    return [f"{key}: {before.get(key, '(absent)')!r} -> {after.get(key, '(absent)')!r}"
+            for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]
+
+
+def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -> None:
+    """Writes `config.json`; a different earlier one is kept as `config-step-<step>.json`."""
+    path = os.path.join(directory, "config.json")
+    new = json.loads(config.to_json_best_effort())
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        changes = config_changes(old, new)
+        if not changes:
+            return
+        logging.warning("Resuming at step %d with a changed config: %s", step, "; ".join(changes))
+        os.replace(path, os.path.join(directory, f"config-step-{step}.json"))
+    with open(path, "w") as f:
+        json.dump(new, f, indent=2, sort_keys=True)
+        f.write("\n")
