@@ -115,8 +115,8 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
                                          tf.constant(_loop_length(trainer, step)))
             totals = {name: value.numpy() for name, value in totals.items()}
         except tf.errors.InvalidArgumentError as error:
-            raise UserError(f"the train step failed near step {step + 1}: "
-                            f"{error.message.strip().splitlines()[0]}") from None
+            raise UserError(f"the train step failed near step {step + 1}: {_op_error_summary(error)}"
+                            ) from None
         interval.add(totals, time.perf_counter() - started)
         step = int(trainer.global_step.numpy())
         _log_first_skip(trainer, interval)
@@ -141,6 +141,17 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
         if _is_due(trainer, step, config.checkpoint.every_steps):
             _save(trainer, step)
     return metrics, guard.CONTINUE
+
+
+def _op_error_summary(error: tf.errors.OpError) -> str:
+    """The line of a TensorFlow op error that says what went wrong, without the trace around it."""
+    noise = ("Graph execution error", "Detected at node", 'File "', "[[", "Stack trace")
+    lines = [line.strip() for line in error.message.splitlines()]
+    useful = [line for line in lines if line and not line.startswith(noise)]
+    summary = (useful[-1] if useful else lines[0]).split("\t")[0].strip()
+    if " is not in [" in summary:
+        summary += " (an integer input, such as a label, outside its valid range)"
+    return summary
 
 
 def _divergence_message(trainer: "Trainer", reason: int, metrics: dict) -> str:

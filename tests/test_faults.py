@@ -1,0 +1,146 @@
+"""Nothing lost under faults: divergence, bad data, a busy workdir, signals and SIGKILL."""
+
+import glob
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import faulty_experiment
+from mixloop import guard, workdir
+from mixloop.errors import UserError
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+FAULTY_CONFIG = os.path.join(TESTS_DIR, "faulty_experiment.py")
+
+
+def make_trainer(directory, **overrides):
+    config = faulty_experiment.get_config()
+    for key, value in overrides.items():
+        section, _, field = key.rpartition(".")
+        (config[section] if section else config)[field] = value
+    return faulty_experiment.FaultyTrainer(config, str(directory))
+
+
+def checkpoint_steps(directory):
+    return sorted(int(path.rsplit("-", 1)[1].split(".")[0])
+                  for path in glob.glob(os.path.join(directory, "checkpoints", "ckpt-*.index")))
+
+
+# ----- Divergence guard -----
+
+def test_too_many_consecutive_skips_stop_the_run(tmp_path):
+    trainer = make_trainer(tmp_path, **{"data.overflow_batches": list(range(9, 32)),
+                                        "train.max_consecutive_skips": 3})
+    with pytest.raises(guard.TrainingDiverged) as raised:
+        trainer.train()
+    message = str(raised.value)
+    # Batches 9, 10, 11 are updates 10, 11, 12: the third skip in a row stops at step 12.
+    assert "training diverged at step 12: 3 updates in a row were skipped" in message
+    assert "loss scale 8192" in message  # 2**15 halved by the first two skips.
+    # The float32 logits layer holds 1e9-sized gradients; the float16 body below it overflows.
+    assert "non-finite gradients first in hidden_0/kernel, hidden_0/bias in layer(s) hidden_0" in message
+    assert message.endswith("last good checkpoint: " + str(tmp_path / "checkpoints" / "ckpt-8"))
+    assert checkpoint_steps(tmp_path) == [4, 8]  # No checkpoint of the diverged state.
+
+
+def test_overflow_at_the_minimum_scale_stops_the_run(tmp_path):
+    trainer = make_trainer(tmp_path, **{"data.overflow_batches": [5],
+                                        "precision.initial_scale": 1.0})
+    with pytest.raises(guard.TrainingDiverged, match="at step 6: the gradients still overflow at "
+                                                     "the minimum loss scale .* loss scale 1;"):
+        trainer.train()
+    assert checkpoint_steps(tmp_path) == [4]
+
+
+def test_nan_inputs_stop_the_run_naming_bad_data(tmp_path):
+    trainer = make_trainer(tmp_path, **{"data.nan_batches": [6]})
+    with pytest.raises(guard.TrainingDiverged) as raised:
+        trainer.train()
+    assert "at step 7: the float32 loss is nan and the batch's floating inputs contain inf or NaN" \
+        in str(raised.value)
+    assert checkpoint_steps(tmp_path) == [4]
+
+
+def test_recovery_restores_the_last_checkpoint_and_goes_on(tmp_path, caplog):
+    trainer = make_trainer(tmp_path, **{"data.nan_batches": [6], "train.max_recoveries": 1})
+    trainer.train()
+    assert int(trainer.global_step.numpy()) == 24
+    assert "Recovery 1 of 1" in caplog.text and "ckpt-4" in caplog.text
+    assert all(np.isfinite(w).all() for w in trainer.model.get_weights())
+
+
+def test_the_first_skip_is_logged_once_with_its_variables(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    trainer = make_trainer(tmp_path, **{"data.overflow_batches": [2, 13]})
+    trainer.train()
+    lines = [r.getMessage() for r in caplog.records if "First skipped update" in r.getMessage()]
+    assert len(lines) == 1 and "hidden_0/kernel" in lines[0] and "by step 4" in lines[0]
+    assert int(trainer.skipped_total.numpy()) == 2
+
+
+# ----- Bad data -----
+
+def test_dataset_that_ends_early_stops_cleanly_with_a_checkpoint(tmp_path, caplog):
+    trainer = make_trainer(tmp_path, **{"train.repeat_dataset": False, "data.num_examples": 320})
+    trainer.train()  # 320 / 32 = 10 batches for 24 steps.
+    assert int(trainer.global_step.numpy()) == 10
+    assert checkpoint_steps(tmp_path) == [4, 8, 10]
+    assert "The train dataset ended at step 10 of 24" in caplog.text
+    assert not os.path.exists(tmp_path / "model.keras")
+
+
+def test_empty_eval_set_is_named(tmp_path):
+    with pytest.raises(UserError, match="the eval dataset is empty"):
+        make_trainer(tmp_path, **{"data.num_eval": 0}).train()
+    assert checkpoint_steps(tmp_path) == []
+
+
+def test_labels_out_of_range_are_named(tmp_path):
+    with pytest.raises(UserError, match=r"the train step failed near step 1: indices\[\d+\] = 3 is "
+                                        r"not in \[0, 3\) \(an integer input, such as a label, "
+                                        r"outside its valid range\)$"):
+        make_trainer(tmp_path, **{"data.label_offset": 1}).train()
+
+
+# ----- Workdir safety -----
+
+def test_a_second_run_on_a_busy_workdir_refuses(tmp_path):
+    busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / ".lock").write_text(json.dumps({"pid": busy.pid, "host": os.uname().nodename}))
+        with pytest.raises(UserError, match=f"is in use by process {busy.pid}"):
+            make_trainer(tmp_path).train()
+    finally:
+        busy.kill()
+    assert checkpoint_steps(tmp_path) == [] and not (tmp_path / "config.json").exists()
+
+
+def test_a_stale_lock_is_taken_over(tmp_path, caplog):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    (tmp_path / ".lock").write_text(json.dumps({"pid": int(gone.stdout), "host": os.uname().nodename}))
+    make_trainer(tmp_path, **{"train.num_steps": 4}).train()
+    assert "Removing the stale lock" in caplog.text
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_a_changed_config_is_reported_and_kept(tmp_path, caplog):
+    make_trainer(tmp_path, **{"train.num_steps": 4}).train()
+    make_trainer(tmp_path, **{"train.num_steps": 8, "optimizer.learning_rate": 0.02}).train()
+    assert "Resuming at step 4 with a changed config" in caplog.text
+    assert "optimizer.learning_rate: 0.01 -> 0.02" in caplog.text
+    assert "train.num_steps: 4 -> 8" in caplog.text
+    assert json.loads((tmp_path / "config-step-4.json").read_text())["train"]["num_steps"] == 4
+
+
+def test_config_changes_lists_every_leaf():
+    assert workdir.config_changes({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 4}) == [
+        "a.c: 2 -> 3", "d: '(absent)' -> 4"]
