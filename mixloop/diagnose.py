@@ -16,18 +16,15 @@ import math
 import os
 import shlex
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
-from absl import app, flags, logging
+from absl import flags, logging
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 
-from mixloop.config import validate
-from mixloop.errors import UserError
+from mixloop import cli
 from mixloop.precision_report import MARGIN_BITS, DtypeRange, PrecisionReport, diagnose
-# Importing the train command also defines the --config and --workdir flags this command shares.
-from mixloop.train import default_workdir, import_trainer, parse_flags
 
 _STEPS = flags.DEFINE_integer("steps", 4, "Train batches to diagnose.", lower_bound=1)
 _OUTPUT = flags.DEFINE_string(
@@ -41,16 +38,15 @@ flags.register_validator(
 )
 
 
-def diagnose_experiment(config, workdir: str, num_batches: int, loss_scale: float | None = None
-                        ) -> PrecisionReport:
+def diagnose_experiment(config, workdir: str, num_batches: int,
+                        loss_scale: Optional[float] = None) -> PrecisionReport:
     """Validates `config`, builds its Trainer, restores `workdir`'s latest checkpoint if any, and
     diagnoses `num_batches` train batches. Writes nothing.
 
     Raises:
-      UserError: for a bad config, a checkpoint that does not fit, or a float32 policy.
+      UserError: for a bad config, a checkpoint that does not fit, or what `diagnose` refuses.
     """
-    validate(config)
-    trainer = import_trainer(config.trainer)(config, workdir)
+    trainer = cli.build_trainer(config, workdir)
     checkpoint = trainer.restore()
     logging.info("Diagnosing %s", checkpoint or f"the initial weights (no checkpoint in {workdir})")
     return diagnose(trainer, num_batches, loss_scale)
@@ -66,22 +62,22 @@ def format_report(report: PrecisionReport) -> str:
         f"Precision report: {report.trainer} at step {report.step}, policy {report.policy}",
         f"{report.num_batches} batches ({report.num_micro_batches} micro-batches), loss scale {scale}",
         "",
-        "Layers, in call order. max|x|, max|y|: largest input and output magnitudes in float32. headroom:",
-        "doublings left below the compute dtype's largest value. inf: outputs that were inf or NaN in the",
-        f"mixed pass. max|dy|: largest output gradient (unscaled). dy zero: output gradients times {scale}",
-        "that flush to zero in the compute dtype.",
+        "Layers, in call order. max|x|, max|y|: largest input and output magnitudes in float32.",
+        "headroom: doublings left below the compute dtype's largest value. inf: outputs that were inf",
+        "or NaN in the mixed pass. max|dy|: largest output gradient (unscaled). dy zero: output",
+        f"gradients times {scale} that flush to zero in the compute dtype.",
     ]
     lines += _table(
         ("layer", "dtype", "max|x|", "max|y|", "headroom", "inf", "max|dy|", "dy zero"),
-        [(l.path, l.compute_dtype, "-" if l.max_abs_input is None else _number(l.max_abs_input), _number(l.max_abs_output),
-          _bits(l.headroom_bits), str(l.non_finite_outputs), _number(l.max_abs_output_grad),
-          _percent(l.output_grad_zero_fraction)) for l in report.layers],
+        [(l.path, l.compute_dtype, "-" if l.max_abs_input is None else _number(l.max_abs_input),
+          _number(l.max_abs_output), _bits(l.headroom_bits), str(l.non_finite_outputs),
+          _number(l.max_abs_output_grad), _percent(l.output_grad_zero_fraction)) for l in report.layers],
     )
     lines += [
         "",
-        f"Gradients, as fractions of each variable's nonzero float32 values. zero, subnormal, inf: the",
-        f"float32 gradient times {scale}, cast to the dtype it is computed in. mixed zero: zero in the mixed",
-        "pass. rel.err: |mixed gradient - float32 gradient| / |float32 gradient|.",
+        "Gradients, as fractions of each variable's nonzero float32 values. zero, subnormal, inf: the",
+        f"float32 gradient times {scale}, cast to the dtype it is computed in. mixed zero: zero in",
+        "the mixed pass. rel.err: |mixed gradient - float32 gradient| / |float32 gradient|.",
     ]
     lines += _table(
         ("variable", "dtype", "max|g|", "min|g|", "zero", "subnormal", "inf", "mixed zero", "rel.err"),
@@ -91,8 +87,8 @@ def format_report(report: PrecisionReport) -> str:
     )
     lines += [
         "",
-        f"In 16 bits at loss scale {scale}: {_percent(report.gradient_zero_fraction)} of gradient values "
-        f"flush to zero, {_percent(report.gradient_subnormal_fraction)} are subnormal, "
+        f"In 16 bits at loss scale {scale}: {_percent(report.gradient_zero_fraction)} of gradient "
+        f"values flush to zero, {_percent(report.gradient_subnormal_fraction)} are subnormal, "
         f"{_percent(report.gradient_overflow_fraction)} overflow.",
         "",
         "Problems:",
@@ -118,7 +114,8 @@ def _advice_lines(report: PrecisionReport) -> list[str]:
                 f"{_bits(advice.bfloat16_headroom_bits)} doublings of headroom and "
                 f"{_percent(advice.bfloat16_zero_fraction)} of gradients flush to zero without a loss "
                 "scale (but it keeps 8 significant bits to float16's 11)")
-    lines = [f"  keep in float32:  {keep}", f"  initial scale:    {scale}", f"  mixed_bfloat16:   {bfloat16}"]
+    lines = [f"  keep in float32:  {keep}", f"  initial scale:    {scale}",
+             f"  mixed_bfloat16:   {bfloat16}"]
     if advice.overrides:
         lines.append("  to apply:         " + " ".join(
             shlex.quote(f"--config.{key}={value}") for key, value in advice.overrides.items()))
@@ -162,7 +159,8 @@ def write_outputs(report: PrecisionReport, directory: str) -> list[str]:
     """Writes report.json, TensorBoard histograms and (with matplotlib) gradient_histogram.png into
     `directory`; returns the paths written."""
     os.makedirs(directory, exist_ok=True)
-    paths = [write_json(report, os.path.join(directory, "report.json")), write_tensorboard(report, directory)]
+    paths = [write_json(report, os.path.join(directory, "report.json")),
+             write_tensorboard(report, directory)]
     png = os.path.join(directory, "gradient_histogram.png")
     if write_histogram_png(report, png):
         paths.append(png)
@@ -210,14 +208,15 @@ def _write_log2_histogram(tag: str, histogram: dict[int, int], step: int, shift:
     """
     if not histogram:
         return
-    rows = [[k + shift, k + 1 + shift, histogram.get(k, 0)] for k in range(min(histogram), max(histogram) + 1)]
+    rows = [[k + shift, k + 1 + shift, histogram.get(k, 0)]
+            for k in range(min(histogram), max(histogram) + 1)]
     tf.summary.write(tag, tf.constant(rows, tf.float64), step=step,
                      metadata=histogram_metadata.create_summary_metadata(tag, "log2 |gradient| bins"))
 
 
 def write_histogram_png(report: PrecisionReport, path: str) -> bool:
     """Plots the 16-bit gradients' log2 histogram before and after loss scaling, with float16's and
-    bfloat16's subnormal and normal ranges; returns False, after a one-line warning, without matplotlib."""
+    bfloat16's subnormal and normal ranges. Without matplotlib: a one-line warning, and False."""
     try:
         from matplotlib.figure import Figure  # The object API needs no GUI backend.
     except ImportError:
@@ -241,7 +240,8 @@ def write_histogram_png(report: PrecisionReport, path: str) -> bool:
         ax.axvline(math.log2(bfloat16.min_normal), color="tab:blue", linestyle="--",
                    label="bfloat16 normal [2^-126, 3.39e38]")
         ax.axvline(math.log2(bfloat16.max_finite), color="tab:blue", linestyle="--")
-        ax.bar(exponents + shift, counts, width=1.0, align="edge", color="black", label="gradient values")
+        ax.bar(exponents + shift, counts, width=1.0, align="edge", color="black",
+               label="gradient values")
         ax.set(yscale="log", xlim=(-140, 132), ylabel="values per bin",
                title=f"{report.trainer}, step {report.step}: 16-bit gradients {title}")
     axes[-1].set_xlabel("log2 |gradient|")
@@ -253,27 +253,13 @@ def write_histogram_png(report: PrecisionReport, path: str) -> bool:
 # ----- The command. -----
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    config_path = flags.FLAGS["config"].config_filename
-    sys.path[:0] = [os.getcwd(), os.path.dirname(os.path.abspath(config_path.split(":")[0]))]
-    workdir = flags.FLAGS.workdir or default_workdir(config_path)
-    try:
-        report = diagnose_experiment(flags.FLAGS.config, workdir, _STEPS.value, _LOSS_SCALE.value)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+def main() -> None:
+    config, workdir = cli.experiment_from_flags()
+    report = diagnose_experiment(config, workdir, _STEPS.value, _LOSS_SCALE.value)
     print(format_report(report))
     if _OUTPUT.value:
         logging.info("Wrote %s", ", ".join(write_outputs(report, _OUTPUT.value)))
 
 
-def run() -> None:
-    """Entry point of `python -m mixloop.diagnose`."""
-    flags.mark_flag_as_required("config")
-    app.run(main, flags_parser=parse_flags)
-
-
 if __name__ == "__main__":
-    run()
+    cli.run(main)

@@ -73,7 +73,7 @@ def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -
     output_layers = _output_layers(model)
     kept = {}
     for layer in model._flatten_layers(include_self=False):
-        if matcher is not None and matcher.fullmatch(_path(layer)):
+        if matcher is not None and matcher.fullmatch(layer_path(layer)):
             # Keras reads each sublayer's own policy, so switching only a block (e.g. attention)
             # would leave its projections computing in 16 bits.
             kept.update((id(sub), sub) for sub in layer._flatten_layers(include_self=True))
@@ -85,10 +85,10 @@ def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -
             kept[id(layer)] = layer
     for layer in kept.values():
         layer.dtype_policy = "float32"
-    return [_path(layer) for layer in kept.values()]
+    return [layer_path(layer) for layer in kept.values()]
 
 
-def _path(layer: keras.layers.Layer) -> str:
+def layer_path(layer: keras.layers.Layer) -> str:
     """The layer's path, or its name for sublayers without a `build` (e.g. attention's softmax)."""
     return layer.path or layer.name
 

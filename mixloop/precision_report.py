@@ -41,7 +41,7 @@ import tensorflow as tf
 
 from mixloop.config import parse_loss_scale
 from mixloop.errors import UserError
-from mixloop.layer_precision import _path as layer_path
+from mixloop.layer_precision import layer_path
 from mixloop.layer_precision import build_model
 from mixloop.policy import Policy
 from mixloop.step import as_sum_and_weight, split_micro_batches
@@ -70,7 +70,8 @@ class DtypeRange:
     def of(cls, dtype: Any) -> "DtypeRange":
         dtype = tf.as_dtype(dtype)
         info = ml_dtypes.finfo(dtype.as_numpy_dtype)
-        return cls(dtype.name, float(info.max), float(info.smallest_normal), float(info.smallest_subnormal))
+        return cls(dtype.name, float(info.max), float(info.smallest_normal),
+                   float(info.smallest_subnormal))
 
     def headroom_bits(self, max_abs: float) -> float:
         """log2(max_finite / max_abs): the doublings `max_abs` can take before it overflows."""
@@ -112,7 +113,7 @@ class LayerReport:
 
 @dataclasses.dataclass(frozen=True)
 class VariableReport:
-    """One trainable variable's gradient, over every micro-batch; fractions are of its nonzero float32 values."""
+    """One variable's gradient over every micro-batch; fractions are of its nonzero float32 values."""
 
     path: str
     dtype: str  # The dtype its gradient is computed in: the compute dtype of the layer that owns it.
@@ -134,13 +135,13 @@ class Advice:
     problems: list[str]  # One sentence each; empty when every value fits.
     float32_layers: list[str]  # Paths of the 16-bit layers to compute in float32.
     float32_layers_regex: str  # For precision.float32_layers: those paths and the configured pattern.
-    largest_gradient: float  # The largest unscaled gradient (of a variable or layer output) left in 16 bits.
+    largest_gradient: float  # The largest unscaled gradient of a variable or layer left in 16 bits.
     initial_scale: Optional[float]  # The advised precision.initial_scale (float16 policies only).
     initial_scale_zero_fraction: Optional[float]  # Gradients left in float16 that flush to zero at it.
     bfloat16_headroom_bits: float  # Least headroom of any 16-bit value in bfloat16.
     bfloat16_zero_fraction: float  # 16-bit gradients that flush to zero in bfloat16 without a scale.
     bfloat16_safe: bool  # Whether mixed_bfloat16 avoids every range problem found.
-    overrides: dict[str, Any]  # Config overrides that apply the advice, e.g. {"precision.initial_scale": 1024.0}.
+    overrides: dict[str, Any]  # Config overrides applying it, e.g. {"precision.initial_scale": 1024.0}.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,7 @@ class PrecisionReport:
     policy: str  # The trainer's policy, "params=..,compute=..,output=..".
     compute_dtype: str
     step: int  # The trainer's global step: which weights were diagnosed.
-    num_batches: int
+    num_batches: int  # Train batches read: fewer than asked for when the data ran out.
     num_micro_batches: int  # Micro-batches seen: num_batches times train.accumulation_steps.
     loss_scale: float  # The scale gradients were examined at.
     gradient_zero_fraction: float  # Over every gradient computed in 16 bits, at the loss scale.
@@ -184,20 +185,22 @@ def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None) 
       loss_scale: the loss scale to examine gradients at; by default the trainer's current scale.
 
     Raises:
-      UserError: when the policy computes in float32, so there is nothing to compare, or the
-        trainer's strategy has several replicas (the passes run eagerly on one device).
+      UserError: when the policy computes in float32, so there is nothing to compare, when the
+        trainer's strategy has several replicas (the passes run eagerly on one device), or when
+        the train data has no batch left.
       ValueError: when `num_batches` is below 1 or `loss_scale` is not positive and finite.
     """
     policy = trainer.policy
     if policy.compute_dtype == tf.float32:
         raise UserError(
-            f"precision.policy={trainer.config.precision.policy!r} computes in float32: there is nothing "
-            "to compare; diagnose a 16-bit policy, e.g. --config.precision.policy=mixed_float16"
+            f"precision.policy={trainer.config.precision.policy!r} computes in float32: there is "
+            "nothing to compare; diagnose a 16-bit policy, e.g. --config.precision.policy=mixed_float16"
         )
     if trainer.strategy.num_replicas_in_sync > 1:
         raise UserError(
-            f"the diagnosis runs on one device, but config.distribution={trainer.config.distribution!r} "
-            f"gives {trainer.strategy.num_replicas_in_sync} replicas; add --config.distribution=one_device"
+            f"the diagnosis runs on one device, but config.distribution="
+            f"{trainer.config.distribution!r} gives {trainer.strategy.num_replicas_in_sync} replicas; "
+            "add --config.distribution=one_device"
         )
     if num_batches < 1:
         raise ValueError(f"num_batches must be at least 1, got {num_batches!r}")
@@ -210,12 +213,14 @@ def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None) 
     twin.set_weights(model.get_weights())
     saved = [variable.numpy() for variable in model.variables]
     try:
-        layers, variables = _measure(trainer, twin, num_batches, scale)
+        layers, variables, num_read = _measure(trainer, twin, num_batches, scale)
     finally:
         # The forward passes ran in training mode, which moves e.g. BatchNorm statistics.
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
 
+    if not num_read:
+        raise UserError("the train data has no batches left to diagnose")
     # Pooled over every gradient value computed in 16 bits.
     low_variables = [v for v in variables if v.dtype != "float32"]
     num_values = sum(v.num_values for v in low_variables) or 1
@@ -223,8 +228,8 @@ def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None) 
                  for name in ("zero_fraction", "subnormal_fraction", "overflow_fraction")]
     return PrecisionReport(
         trainer=trainer.config.trainer, policy=str(policy), compute_dtype=policy.compute_dtype.name,
-        step=int(trainer.global_step.numpy()), num_batches=num_batches,
-        num_micro_batches=num_batches * trainer.train_step.accumulation_steps, loss_scale=scale,
+        step=int(trainer.global_step.numpy()), num_batches=num_read,
+        num_micro_batches=num_read * trainer.train_step.accumulation_steps, loss_scale=scale,
         gradient_zero_fraction=fractions[0], gradient_subnormal_fraction=fractions[1],
         gradient_overflow_fraction=fractions[2], layers=layers, variables=variables,
         advice=_advise(layers, variables, fractions, scale, policy, trainer.config.precision),
@@ -248,7 +253,8 @@ class _Pass:
 
 
 def _measure(trainer, twin: keras.Model, num_batches: int, scale: float):
-    """Runs both passes over the micro-batches and returns (layer reports, variable reports)."""
+    """Runs both passes over the micro-batches of up to `num_batches` batches (fewer when the data
+    runs out); returns the layer reports, the variable reports and the number of batches read."""
     model, policy = trainer.model, trainer.policy
     model_layers = list(model._flatten_layers(include_self=False))
     twin_layers = list(twin._flatten_layers(include_self=False))
@@ -257,20 +263,23 @@ def _measure(trainer, twin: keras.Model, num_batches: int, scale: float):
         for index, layer in enumerate(model_layers) if tf.as_dtype(layer.compute_dtype).is_floating
     }
     dtypes = _gradient_dtypes(model_layers, model.trainable_variables, policy)
-    variable_tallies = [_VariableTally(v.path, dtype) for v, dtype in zip(model.trainable_variables, dtypes)]
+    variable_tallies = [_VariableTally(v.path, dtype)
+                        for v, dtype in zip(model.trainable_variables, dtypes)]
     order: dict[int, None] = {}
     float32 = Policy.from_string("float32")
-    for batch in itertools.islice(trainer.train_iterator, num_batches):
+    num_read = 0
+    for num_read, batch in enumerate(itertools.islice(trainer.train_iterator, num_batches), start=1):
         for micro_batch in _micro_batches(batch, trainer.train_step.accumulation_steps):
             reference = _forward_backward(trainer, twin, float32, twin_layers, micro_batch, 1.0)
             mixed = _forward_backward(trainer, model, policy, model_layers, micro_batch, scale)
             order.update(dict.fromkeys(i for i in reference.calls if i in layer_tallies))
             for index in order:
-                layer_tallies[index].add(reference.calls.get(index, []), reference.output_grads.get(index, []),
+                layer_tallies[index].add(reference.calls.get(index, []),
+                                         reference.output_grads.get(index, []),
                                          mixed.calls.get(index, []), scale)
             for tally, float32_grad, mixed_grad in zip(variable_tallies, reference.grads, mixed.grads):
                 tally.add(float32_grad, mixed_grad, scale)
-    return [layer_tallies[i].report() for i in order], [t.report() for t in variable_tallies]
+    return [layer_tallies[i].report() for i in order], [t.report() for t in variable_tallies], num_read
 
 
 def _micro_batches(batch: Any, num_micro_batches: int) -> list:
@@ -359,7 +368,7 @@ def _cast_counts(values: np.ndarray, scale: float, dtype: str) -> np.ndarray:
 
 
 def _log2_histogram(values: np.ndarray) -> np.ndarray:
-    """Counts of the finite nonzero magnitudes by exponent, index k - _MIN_EXPONENT for [2**k, 2**(k+1))."""
+    """Counts of the finite nonzero magnitudes, at index k - _MIN_EXPONENT for [2**k, 2**(k+1))."""
     magnitudes = np.abs(values[np.isfinite(values) & (values != 0)])
     _, exponents = np.frexp(magnitudes)  # magnitude = mantissa * 2**exponent, mantissa in [0.5, 1).
     return np.bincount(exponents - 1 - _MIN_EXPONENT, minlength=_MAX_EXPONENT - _MIN_EXPONENT + 1)
@@ -389,7 +398,8 @@ class _LayerTally:
         self.creates_non_finite = False
         self.grad_counts = np.zeros(4, np.int64)
 
-    def add(self, float32_calls: list[_Call], output_grads: list, mixed_calls: list[_Call], scale: float):
+    def add(self, float32_calls: list[_Call], output_grads: list, mixed_calls: list[_Call],
+            scale: float) -> None:
         for call in float32_calls:
             outputs = [_as_float32(t) for t in call.outputs]
             if call.inputs:
@@ -491,7 +501,7 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
     bfloat16_headroom = bfloat16.headroom_bits(largest_value)
     bfloat16_zero_fraction = bfloat16.zero_fraction(_sum_histograms(low_variables))
     # Only a bfloat16 run shows whether bfloat16 itself turns finite inputs into inf or NaN.
-    bfloat16_breaks = policy.compute_dtype == tf.bfloat16 and any(layer.creates_non_finite for layer in hot)
+    bfloat16_breaks = policy.compute_dtype == tf.bfloat16 and any(l.creates_non_finite for l in hot)
     return Advice(
         problems=_problems(layers, hot, fractions, scale, policy.compute_dtype.name),
         float32_layers=hot_paths, float32_layers_regex=regex, largest_gradient=largest_grad,
@@ -505,7 +515,7 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
 
 def _largest_gradient(layers: list[LayerReport], variables: list[VariableReport]) -> float:
     """The largest unscaled gradient of any of `variables` or of the outputs of `layers`."""
-    return max([v.max_abs for v in variables] + [layer.max_abs_output_grad for layer in layers], default=0.0)
+    return max([v.max_abs for v in variables] + [l.max_abs_output_grad for l in layers], default=0.0)
 
 
 def _problems(layers: list[LayerReport], hot: list[LayerReport], fractions: list[float], scale: float,
@@ -525,7 +535,8 @@ def _problems(layers: list[LayerReport], hot: list[LayerReport], fractions: list
 
 
 def _hot_layer_problem(layer: LayerReport) -> str:
-    limit = f"{layer.compute_dtype}'s largest finite value, {DtypeRange.of(layer.compute_dtype).max_finite:g}"
+    largest = DtypeRange.of(layer.compute_dtype).max_finite
+    limit = f"{layer.compute_dtype}'s largest finite value, {largest:g}"
     reasons = []
     if layer.headroom_bits < 0:
         reasons.append(f"values up to {layer.max_abs:.3g} exceed {limit}")

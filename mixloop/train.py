@@ -1,94 +1,20 @@
 """The command line: `python -m mixloop.train --config=PATH[:VARIANT] [--workdir=DIR] [--config.KEY=VALUE]`.
 
 Reads the experiment's config, validates it, builds its Trainer and trains (resuming from the
-workdir's latest checkpoint). Any problem with the input is one line on stderr and exit status 2.
+workdir's latest checkpoint). Bad input is one line on stderr and exit status 2; a diverged run
+exits with 3.
 """
 
-from __future__ import annotations
+from absl import logging
 
-import importlib
-import os
-import sys
-
-from absl import app, flags, logging
-from ml_collections import config_flags
-
-from mixloop.config import validate
-from mixloop.errors import UserError
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file, PATH[:VARIANT].")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; defaults to runs/<config name>.")
+from mixloop import cli
 
 
-def default_workdir(config_path: str) -> str:
-    """runs/<config file name without .py>."""
-    name = os.path.splitext(os.path.basename(config_path.split(":")[0]))[0]
-    return os.path.join("runs", name)
-
-
-def import_trainer(path: str) -> type:
-    """Imports "package.module.ClassName" and returns the class.
-
-    Raises:
-      UserError: naming the path when the module or the class cannot be imported.
-    """
-    module_name, _, class_name = path.rpartition(".")
-    try:
-        trainer_class = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise UserError(f"config.trainer={path!r} does not import: {error}") from None
-    from mixloop.trainer import Trainer  # Imported here so `--help` stays fast.
-
-    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
-        raise UserError(f"config.trainer={path!r} is not a subclass of mixloop.Trainer")
-    return trainer_class
-
-
-def train_and_evaluate(config, workdir: str) -> dict:
-    """Validates `config`, builds its Trainer and trains it in `workdir`; returns the final metrics."""
-    validate(config)
-    trainer = import_trainer(config.trainer)(config, workdir)
-    return trainer.train()
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    config_path = flags.FLAGS["config"].config_filename
-    sys.path[:0] = [os.getcwd(), os.path.dirname(os.path.abspath(config_path.split(":")[0]))]
-    workdir = _WORKDIR.value or default_workdir(config_path)
-    try:
-        metrics = train_and_evaluate(_CONFIG.value, workdir)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(error.exit_code)
-    logging.info("Final metrics: %s", {k: round(v, 4) for k, v in metrics.items()})
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """Parses the flags; a missing config file or a bad override is one line and exit status 2."""
-    try:
-        remaining = flags.FLAGS(argv)
-        config_file = flags.FLAGS["config"].config_filename.split(":")[0]
-        if not os.path.isfile(config_file):
-            raise FileNotFoundError(f"config file {config_file!r} does not exist")
-        return remaining
-    except Exception as error:  # absl and config_flags raise many types; the user needs the text.
-        cause = error.args[0] if error.args else error
-        if isinstance(error, AttributeError) and isinstance(cause, KeyError):
-            # ConfigDict's way of saying an override names a key the config lacks.
-            key, _, suggestion = str(cause.args[0]).partition("\n")
-            error = f"unknown config key {key} in a --config override. {suggestion}"
-        message = " ".join(str(error).split())
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def run() -> None:
-    """Entry point of `python -m mixloop.train`."""
-    flags.mark_flag_as_required("config")
-    app.run(main, flags_parser=parse_flags)
+def main() -> None:
+    config, workdir = cli.experiment_from_flags()
+    metrics = cli.build_trainer(config, workdir).train()
+    logging.info("Final metrics: %s", {name: round(value, 4) for name, value in metrics.items()})
 
 
 if __name__ == "__main__":
-    run()
+    cli.run(main)

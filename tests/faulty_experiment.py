@@ -1,7 +1,8 @@
 """An experiment whose data and size can be made to fail on purpose, for the fault tests.
 
 `config.data` knobs: `nan_batches` (batch indices whose inputs are NaN), `overflow_batches` (batch
-indices whose loss is multiplied by 1e9, so float16 gradients overflow at any scale), `label_offset`
+indices whose loss is multiplied by 1e9, so float16 gradients overflow at any scale),
+`drop_batches` (batch indices left out), `label_offset`
 (pushes labels out of range), `num_examples`, `num_eval` (0: an empty eval set). `config.model`
 knobs: `width`, `depth` (slows steps), `ballast` (floats in an extra variable: slows checkpoints).
 """
@@ -57,7 +58,10 @@ class FaultyTrainer(mixloop.Trainer):
             features[index * batch_size:(index + 1) * batch_size] = np.nan
         for index in data.overflow_batches:
             overflow[index * batch_size:(index + 1) * batch_size] = True
-        train = tf.data.Dataset.from_tensor_slices((features, labels, overflow))
+        keep = np.ones(data.num_examples, bool)
+        for index in data.drop_batches:
+            keep[index * batch_size:(index + 1) * batch_size] = False
+        train = tf.data.Dataset.from_tensor_slices((features[keep], labels[keep], overflow[keep]))
         evaluation = tf.data.Dataset.from_tensor_slices((features[:data.num_eval],
                                                          labels[:data.num_eval]))
         return (train.batch(batch_size, drop_remainder=True),
@@ -82,6 +86,7 @@ def get_config(arg=None):
     config.data.num_eval = 128  # Eval examples (the first ones of the train set); 0: empty.
     config.data.nan_batches = ()  # Batch indices whose inputs are NaN.
     config.data.overflow_batches = ()  # Batch indices whose loss is scaled by OVERFLOW_FACTOR.
+    config.data.drop_batches = ()  # Batch indices left out of the train data.
     config.data.label_offset = 0  # Added to every label; 3 or more is out of range.
     config.precision.policy = "mixed_float16"
     config.train.num_steps = 24

@@ -1,0 +1,92 @@
+"""What mixloop's commands share: the --config and --workdir flags, building the experiment's
+Trainer from them, and turning bad input into one `error:` line and a non-zero exit."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Callable
+
+import ml_collections
+from absl import app, flags
+from ml_collections import config_flags
+
+from mixloop.config import validate
+from mixloop.errors import UserError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file, PATH[:VARIANT].")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; defaults to runs/<config name>.")
+
+
+def default_workdir(config_path: str) -> str:
+    """runs/<config file name without .py>."""
+    name = os.path.splitext(os.path.basename(config_path.split(":")[0]))[0]
+    return os.path.join("runs", name)
+
+
+def import_trainer(path: str) -> type:
+    """Imports "package.module.ClassName" and returns the class.
+
+    Raises:
+      UserError: naming the path when the module or the class cannot be imported.
+    """
+    module_name, _, class_name = path.rpartition(".")
+    try:
+        trainer_class = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise UserError(f"config.trainer={path!r} does not import: {error}") from None
+    from mixloop.trainer import Trainer  # Imported here so `--help` stays fast.
+
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise UserError(f"config.trainer={path!r} is not a subclass of mixloop.Trainer")
+    return trainer_class
+
+
+def build_trainer(config: ml_collections.ConfigDict, workdir: str):
+    """Validates `config` and builds the Trainer it names, working in `workdir`."""
+    validate(config)
+    return import_trainer(config.trainer)(config, workdir)
+
+
+def experiment_from_flags() -> tuple[ml_collections.ConfigDict, str]:
+    """The parsed config and the workdir. The config file's folder and the current directory join
+    the import path, so `config.trainer` may name a module beside the config or under the cwd."""
+    config_path = flags.FLAGS["config"].config_filename
+    sys.path[:0] = [os.getcwd(), os.path.dirname(os.path.abspath(config_path.split(":")[0]))]
+    return _CONFIG.value, _WORKDIR.value or default_workdir(config_path)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """Parses the flags; a missing config file or a bad override is one line and exit status 2."""
+    try:
+        remaining = flags.FLAGS(argv)
+        config_file = flags.FLAGS["config"].config_filename.split(":")[0]
+        if not os.path.isfile(config_file):
+            raise FileNotFoundError(f"config file {config_file!r} does not exist")
+        return remaining
+    except Exception as error:  # absl and config_flags raise many types; the user needs the text.
+        cause = error.args[0] if error.args else error
+        if isinstance(error, AttributeError) and isinstance(cause, KeyError):
+            # ConfigDict's way of saying an override names a key the config lacks.
+            key, _, suggestion = str(cause.args[0]).partition("\n")
+            error = f"unknown config key {key} in a --config override. {suggestion}"
+        message = " ".join(str(error).split())
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(command: Callable[[], None]) -> None:
+    """Runs `command` as a program: flags parsed, a `UserError` printed as one line with its exit code."""
+
+    def main(argv: list[str]) -> None:
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        try:
+            command()
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(error.exit_code)
+
+    flags.mark_flag_as_required("config")
+    app.run(main, flags_parser=_parse_flags)

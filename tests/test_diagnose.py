@@ -1,0 +1,201 @@
+"""The precision doctor: planted problems found and cured, its files, `python -m mixloop.diagnose`."""
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hot_experiment
+import tiny_experiment
+from mixloop import diagnose as diagnose_cli
+from mixloop.errors import UserError
+from mixloop.precision_report import DtypeRange, diagnose
+from mixloop.cli import import_trainer
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def make_trainer(module, workdir, arg=None, **overrides):
+    """The experiment's Trainer, with `overrides` given as {"section.field": value}."""
+    config = module.get_config(arg)
+    for key, value in overrides.items():
+        section, _, field = key.rpartition(".")
+        (config[section] if section else config)[field] = value
+    return import_trainer(config.trainer)(config, str(workdir))
+
+
+@pytest.fixture(scope="module")
+def hot_report(tmp_path_factory):
+    return diagnose(make_trainer(hot_experiment, tmp_path_factory.mktemp("hot")), num_batches=2)
+
+
+def test_dtype_ranges_count_in_powers_of_two():
+    float16 = DtypeRange.of(tf.float16)
+    assert (float16.max_finite, float16.min_normal, float16.min_subnormal) == (65504, 2.0**-14, 2.0**-24)
+    assert DtypeRange.of(tf.bfloat16).min_normal == 2.0**-126
+    assert float16.headroom_bits(65504 / 8) == 3.0
+    # Bin k holds [2**k, 2**(k+1)); float16 rounds magnitudes up to 2**-25 to zero.
+    histogram = {-27: 1, -26: 1, -25: 1, 0: 1}
+    assert float16.zero_fraction(histogram) == 0.5
+    assert float16.zero_fraction(histogram, log2_scale=1) == 0.25
+    assert float16.zero_fraction(histogram, log2_scale=-1) == 0.75
+
+
+def test_a_hot_layer_is_reported_as_overflowing_and_advised_to_float32(hot_report):
+    layers = {layer.path: layer for layer in hot_report.layers}
+    hot, squash = layers["hot"], layers["squash"]
+
+    assert hot.max_abs_output > 65504 and hot.headroom_bits == math.log2(65504 / hot.max_abs_output)
+    assert hot.creates_non_finite and hot.non_finite_outputs > 0
+    # `squash` reads hot's values (its inputs overflow float16 too) but did not create the infs.
+    assert squash.max_abs_input == hot.max_abs_output and not squash.creates_non_finite
+    assert [p.split(" ")[0] for p in hot_report.advice.problems] == ["hot", "squash"]
+    assert hot_report.advice.float32_layers == ["hot", "squash"]
+    assert hot_report.advice.float32_layers_regex == "hot|squash"
+    assert hot_report.advice.bfloat16_safe
+    assert hot_report.advice.bfloat16_headroom_bits > 100
+
+
+def test_faint_gradients_underflow_until_the_advised_scale_is_applied(tmp_path):
+    report = diagnose(make_trainer(hot_experiment, tmp_path, "faint"), num_batches=2)
+    assert report.loss_scale == 1.0
+    assert report.gradient_zero_fraction > 0.99
+    assert "gradients underflow at loss scale 1" in report.advice.problems[0]
+    advice = report.advice
+    assert math.log2(advice.initial_scale).is_integer()
+    # The largest power of two that keeps MARGIN_BITS = 3 doublings below float16's largest value.
+    assert advice.initial_scale * advice.largest_gradient * 2**3 <= 65504
+    assert advice.initial_scale * advice.largest_gradient * 2**4 > 65504
+    assert advice.overrides == {"precision.loss_scale": "dynamic",
+                                "precision.initial_scale": advice.initial_scale,
+                                "precision.max_scale": advice.initial_scale}
+
+    cured = diagnose(make_trainer(hot_experiment, tmp_path, "faint", **advice.overrides), num_batches=2)
+    assert cured.loss_scale == advice.initial_scale
+    assert cured.gradient_zero_fraction < 0.01
+    assert cured.gradient_zero_fraction == pytest.approx(advice.initial_scale_zero_fraction)
+    assert all(v.mixed_zero_fraction < 0.01 for v in cured.variables)
+    assert cured.advice.problems == []
+
+
+def test_the_advice_cures_a_run_that_skipped_every_step(tmp_path, hot_report):
+    before = make_trainer(hot_experiment, tmp_path / "before")
+    # The divergence guard stops a run as soon as the float32 loss is NaN.
+    with pytest.raises(UserError, match="diverged at step 1: the float32 loss is nan"):
+        before.train()
+    assert int(before.skipped_total.numpy()) == int(before.global_step.numpy()) == 1
+
+    after = make_trainer(hot_experiment, tmp_path / "after", **hot_report.advice.overrides)
+    after.train()
+    assert int(after.skipped_total.numpy()) == 0
+    assert float(after.loss_scale.scale) == hot_report.advice.initial_scale
+
+
+def test_a_healthy_model_has_no_problems_and_is_left_bit_identical(tmp_path):
+    trainer = make_trainer(tiny_experiment, tmp_path)
+    variables = [v.numpy() for v in trainer.model.variables]
+    report = diagnose(trainer, num_batches=2)
+
+    assert report.num_micro_batches == 4  # accumulation_steps=2, as the train step splits them.
+    assert [layer.compute_dtype for layer in report.layers] == ["float16", "float16", "float32"]
+    assert report.advice.problems == [] and report.advice.float32_layers == []
+    assert report.gradient_zero_fraction == 0 and report.gradient_overflow_fraction == 0
+    assert max(v.relative_error for v in report.variables) < 0.05
+    for before, after in zip(variables, trainer.model.variables):
+        np.testing.assert_array_equal(before, after.numpy())
+
+
+def test_a_float32_policy_has_nothing_to_compare(tmp_path):
+    trainer = make_trainer(tiny_experiment, tmp_path, **{"precision.policy": "float32"})
+    with pytest.raises(UserError, match="computes in float32"):
+        diagnose(trainer)
+
+
+def read_histograms(directory):
+    """{tag: (left edges, right edges, counts)} of the histogram summaries in `directory`."""
+    found = {}
+    for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "histograms":
+                    found[value.tag] = tf.make_ndarray(value.tensor).T
+    return found
+
+
+def test_json_and_tensorboard_outputs_are_readable(tmp_path, hot_report, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # As if matplotlib were not installed.
+    written = diagnose_cli.write_outputs(hot_report, str(tmp_path))
+
+    assert written == [str(tmp_path / "report.json"), str(tmp_path)]
+    assert capsys.readouterr().err.startswith("warning: matplotlib is not installed")
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["advice"]["float32_layers_regex"] == "hot|squash"
+    assert data["layers"][0]["path"] == "hot" and data["variables"][0]["relative_error"] == "inf"
+
+    histograms = read_histograms(tmp_path)
+    assert {"log2_gradient/hot/kernel", "log2_gradient_16bit/unscaled",
+            "log2_gradient_16bit/scaled"} <= set(histograms)
+    left, right, counts = histograms["log2_gradient_16bit/unscaled"]
+    assert np.all(right - left == 1) and np.all(left == np.round(left))  # One bin per power of two.
+    assert counts.sum() == sum(v.num_values for v in hot_report.variables if v.dtype == "float16")
+    scaled_left, _, scaled_counts = histograms["log2_gradient_16bit/scaled"]
+    np.testing.assert_array_equal(scaled_left, left + 15)  # Loss scale 2**15.
+    np.testing.assert_array_equal(scaled_counts, counts)
+
+
+def test_png_output_is_an_image(tmp_path, hot_report):
+    image = pytest.importorskip("matplotlib.image")
+    assert diagnose_cli.write_histogram_png(hot_report, str(tmp_path / "histogram.png"))
+    assert image.imread(tmp_path / "histogram.png").shape == (720, 1200, 4)
+
+
+def run_cli(*args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "mixloop.diagnose", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def snapshot(directory):
+    """Every file under `directory` with its size and modification time."""
+    return {os.path.join(root, name): (os.stat(os.path.join(root, name)).st_size,
+                                       os.stat(os.path.join(root, name)).st_mtime_ns)
+            for root, _, files in os.walk(directory) for name in files}
+
+
+@pytest.mark.slow
+def test_cli_diagnoses_the_latest_checkpoint_and_leaves_the_workdir(tmp_path):
+    workdir, output = tmp_path / "run", tmp_path / "diagnosis"
+    make_trainer(tiny_experiment, workdir, **{"train.num_steps": 10}).train()
+    before = snapshot(workdir)
+    result = run_cli(f"--config={TESTS_DIR}/tiny_experiment.py", f"--workdir={workdir}", "--steps=2",
+                     f"--output={output}")
+
+    assert result.returncode == 0, result.stderr
+    assert "Precision report: tiny_experiment.TinyTrainer at step 10" in result.stdout
+    assert "Problems:\n  none" in result.stdout
+    assert json.loads((output / "report.json").read_text())["step"] == 10
+    assert snapshot(workdir) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["--steps=0"], "flag --steps=0"),
+    (["--loss_scale=-1"], "flag --loss_scale=-1.0: must be positive and finite"),
+    (["--config.precision.policy=float32"], "precision.policy='float32' computes in float32"),
+])
+def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
+    workdir = tmp_path / "never"
+    result = run_cli(f"--config={TESTS_DIR}/hot_experiment.py", f"--workdir={workdir}", *args)
+
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert not workdir.exists()
