@@ -48,12 +48,12 @@ class _StopRequest:
         self.signal_number = signal_number
 
 
-def _loop_length(trainer: "Trainer", step: int) -> int:
+def _loop_length(trainer: "Trainer", step: int, last_step: int) -> int:
     """Steps to the next boundary: steps_per_loop, or sooner at a log, eval or checkpoint step."""
     c = trainer.config
     cadences = (c.train.steps_per_loop, c.train.log_every_steps, c.eval.every_steps,
                 c.checkpoint.every_steps)
-    return min([every - step % every for every in cadences if every] + [c.train.num_steps - step])
+    return min([every - step % every for every in cadences if every] + [last_step - step])
 
 
 def _is_due(trainer: "Trainer", step: int, every: int) -> bool:
@@ -99,6 +99,8 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
     """Inner loops until num_steps, a stop request, the end of the data or divergence."""
     config = trainer.config
     num_steps = config.train.num_steps
+    num_batches = trainer.num_train_batches()
+    last_step = num_steps if num_batches is None else min(num_steps, num_batches)
     writer = reporting.MetricWriter(trainer.workdir, enabled=trainer.is_chief)
     step = int(trainer.global_step.numpy())
     if not trainer.checkpoints_iterator:
@@ -108,15 +110,19 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
     metrics: dict[str, float] = {}
     interval = reporting.Interval(step, trainer.skipped_total.numpy())
     recoveries = 0
-    while step < num_steps and stop.signal_number is None:
+    while stop.signal_number is None:
+        if step >= last_step:
+            return metrics, guard.END_OF_DATA if step < num_steps else guard.CONTINUE
         started = time.perf_counter()
         try:
             totals = trainer._train_loop(trainer.train_iterator,
-                                         tf.constant(_loop_length(trainer, step)))
+                                         tf.constant(_loop_length(trainer, step, last_step)))
             totals = {name: value.numpy() for name, value in totals.items()}
         except tf.errors.InvalidArgumentError as error:
             raise UserError(f"the train step failed near step {step + 1}: {_op_error_summary(error)}"
                             ) from None
+        except tf.errors.OutOfRangeError:  # Only after a recovery, whose data moved on further.
+            return metrics, guard.END_OF_DATA
         interval.add(totals, time.perf_counter() - started)
         step = int(trainer.global_step.numpy())
         _log_first_skip(trainer, interval)
@@ -131,11 +137,9 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
             step = int(trainer.global_step.numpy())
             interval = reporting.Interval(step, trainer.skipped_total.numpy())
             continue
-        if _is_due(trainer, step, config.train.log_every_steps) or reason == guard.END_OF_DATA:
+        if _is_due(trainer, step, config.train.log_every_steps) or step == last_step:
             metrics.update(_report_train(trainer, writer, step, interval))
             interval = reporting.Interval(step, trainer.skipped_total.numpy())
-        if reason == guard.END_OF_DATA:
-            return metrics, reason
         if _is_due(trainer, step, config.eval.every_steps) and trainer.eval_data is not None:
             metrics.update(_report_eval(trainer, writer, step))
         if _is_due(trainer, step, config.checkpoint.every_steps):

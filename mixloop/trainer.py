@@ -116,8 +116,9 @@ class Trainer:
     def _train_loop(self, iterator, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
         """The inner loop: up to `num_steps` train steps in one graph, returning sums for reporting.
 
-        It ends early, with a `guard` reason in `stop_reason`, when the data runs out or an update
-        shows the run diverging; `last_*` hold that update's loss, scale and input check.
+        It ends early, with a `guard` reason in `stop_reason`, when an update shows the run
+        diverging; `last_*` hold that update's loss, scale and input check. (The end of the data is
+        the outer loop's business: it never asks for more batches than there are.)
         """
         min_scale = self.loss_scale.min_scale if isinstance(self.loss_scale, DynamicLossScale) else None
         totals = {
@@ -127,11 +128,7 @@ class Trainer:
             "last_scale": tf.constant(0.0), "last_inputs_finite": tf.constant(True),
         }
         for _ in tf.range(num_steps):
-            batch = iterator.get_next_as_optional()
-            if not batch.has_value():
-                totals["stop_reason"] = tf.constant(guard.END_OF_DATA)
-                break
-            metrics = self.train_step(batch.get_value())
+            metrics = self.train_step(next(iterator))
             applied = metrics["applied"]
             finite_loss = tf.math.is_finite(metrics["loss"])
             totals["loss_sum"] += tf.where(finite_loss, metrics["loss"], 0.0)
@@ -220,6 +217,18 @@ class Trainer:
         data = self._train_data.repeat() if self.config.train.repeat_dataset else self._train_data
         data = data.skip(start_step).prefetch(tf.data.AUTOTUNE)
         return iter(distribution.distribute(self.strategy, lambda: data, self.config.train.batch_size))
+
+    def num_train_batches(self) -> Optional[int]:
+        """Batches in one pass over the train data, or None when it repeats.
+
+        Counted once by reading the data when tf.data does not know its length.
+        """
+        if self.config.train.repeat_dataset:
+            return None
+        cardinality = int(self._train_data.cardinality())
+        if cardinality >= 0:
+            return cardinality
+        return int(self._train_data.reduce(0, lambda count, _: count + 1))
 
     def _checkpoint_workdir(self) -> str:
         """Where this process saves: the workdir on the chief, a worker's own folder elsewhere.
