@@ -1,0 +1,1 @@
+"""Research experiments: each module holds one config (`get_config`) and its Trainer subclass."""
