@@ -71,7 +71,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
             # ConfigDict's way of saying an override names a key the config lacks.
             key, _, suggestion = str(cause.args[0]).partition("\n")
             error = f"unknown config key {key} in a --config override. {suggestion}"
-        message = " ".join(str(error).split())
+        text = str(error)
+        if "Traceback (most recent call last)" in text:  # An exception inside get_config().
+            text = text.split("Traceback")[0] + text.strip().splitlines()[-1]
+        message = " ".join(text.split())
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
 
