@@ -67,18 +67,16 @@ def _save(trainer: "Trainer", step: int) -> None:
 
 def train(trainer: "Trainer") -> dict[str, float]:
     """Runs `trainer` to `config.train.num_steps`, resuming from its workdir; returns the last metrics."""
-    trainer.restore()  # Before anything is written: a checkpoint that does not fit changes nothing.
+    # Checks before anything is written: a checkpoint that does not fit changes nothing.
+    trainer.restore()
+    if trainer.eval_data is not None and next(iter(trainer.eval_data.take(1)), None) is None:
+        raise UserError(EMPTY_EVAL_DATA)
     lock_directory = trainer.workdir if trainer.is_chief else trainer.checkpoints.directory
     with workdir.WorkdirLock(lock_directory), _StopRequest() as stop:
-        step = int(trainer.global_step.numpy())
         if trainer.is_chief:
-            workdir.write_config(trainer.workdir, trainer.config, step)
-        if trainer.eval_data is not None and next(iter(trainer.eval_data.take(1)), None) is None:
-            raise UserError(EMPTY_EVAL_DATA)
+            workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
         metrics, reason = _run_loops(trainer, stop)
         step = int(trainer.global_step.numpy())
-        if reason in (guard.NONFINITE_LOSS, guard.TOO_MANY_SKIPS, guard.OVERFLOW_AT_MIN_SCALE):
-            raise guard.TrainingDiverged(_divergence_message(trainer, reason, metrics))
         _save(trainer, step)
         if stop.signal_number is not None:
             logging.info("Stopped by %s at step %d; checkpoint saved in %s. Run the same command "
@@ -96,7 +94,12 @@ def train(trainer: "Trainer") -> dict[str, float]:
 
 
 def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float], int]:
-    """Inner loops until num_steps, a stop request, the end of the data or divergence."""
+    """Inner loops until num_steps, a stop request or the end of the data; returns the last metrics
+    and why it ended (`guard.CONTINUE` or `guard.END_OF_DATA`).
+
+    Raises:
+      guard.TrainingDiverged: when the run diverges with no recovery left.
+    """
     config = trainer.config
     num_steps = config.train.num_steps
     num_batches = trainer.num_train_batches()
@@ -127,13 +130,12 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
         step = int(trainer.global_step.numpy())
         _log_first_skip(trainer, interval)
         reason = int(totals["stop_reason"])
-        metrics.update(last_loss=float(totals["last_loss"]), last_scale=float(totals["last_scale"]),
-                       last_inputs_finite=bool(totals["last_inputs_finite"]))
         if reason in (guard.NONFINITE_LOSS, guard.TOO_MANY_SKIPS, guard.OVERFLOW_AT_MIN_SCALE):
+            message = _divergence_message(trainer, reason, totals)
             if recoveries >= config.train.max_recoveries:
-                return metrics, reason
+                raise guard.TrainingDiverged(message)  # Before any save: no bad checkpoint.
             recoveries += 1
-            _recover(trainer, reason, metrics, recoveries)
+            _recover(trainer, message, recoveries)
             step = int(trainer.global_step.numpy())
             interval = reporting.Interval(step, trainer.skipped_total.numpy())
             continue
@@ -158,10 +160,10 @@ def _op_error_summary(error: tf.errors.OpError) -> str:
     return summary
 
 
-def _divergence_message(trainer: "Trainer", reason: int, metrics: dict) -> str:
+def _divergence_message(trainer: "Trainer", reason: int, totals: dict) -> str:
     message = guard.describe(
-        reason, step=int(trainer.global_step.numpy()), loss=metrics["last_loss"],
-        inputs_finite=metrics["last_inputs_finite"], scale=metrics["last_scale"],
+        reason, step=int(trainer.global_step.numpy()), loss=float(totals["last_loss"]),
+        inputs_finite=bool(totals["last_inputs_finite"]), scale=float(totals["last_scale"]),
         consecutive_skips=int(trainer.consecutive_skips.numpy()),
         max_consecutive_skips=trainer.config.train.max_consecutive_skips,
         nonfinite_paths=trainer.nonfinite_variable_paths(),
@@ -170,9 +172,8 @@ def _divergence_message(trainer: "Trainer", reason: int, metrics: dict) -> str:
     return f"{message}; last good checkpoint: {last_good or 'none yet'}"
 
 
-def _recover(trainer: "Trainer", reason: int, metrics: dict, recoveries: int) -> None:
+def _recover(trainer: "Trainer", message: str, recoveries: int) -> None:
     """Restores the last good checkpoint (the data keeps moving forward) and goes on."""
-    message = _divergence_message(trainer, reason, metrics)
     path = tf.train.latest_checkpoint(trainer.resume_directory())
     if path is None:
         raise guard.TrainingDiverged(message)
