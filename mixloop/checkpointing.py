@@ -33,11 +33,11 @@ def restore_latest(manager: tf.train.CheckpointManager, directory: str) -> Optio
         return None
     try:
         manager.checkpoint.restore(path).assert_consumed()
-    except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as error:
+    except (AssertionError, ValueError, tf.errors.OpError) as error:
         detail = str(error).strip().splitlines()[0][:200]
         raise UserError(
-            f"the checkpoint {path} does not match this model ({detail}); "
-            "use a new --workdir or the config that wrote it"
+            f"the checkpoint {path} does not match this run's model, optimizer, loss scale or data "
+            f"pipeline ({detail}); use a new --workdir or the config that wrote it"
         ) from None
     logging.info("Restored %s", path)
     return path

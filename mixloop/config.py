@@ -9,6 +9,7 @@ line naming the key, the value and what is allowed.
 from __future__ import annotations
 
 import numbers
+import re
 from typing import Any
 
 import ml_collections
@@ -138,6 +139,14 @@ def _parses_as_policy(value: Any) -> bool:
     return True
 
 
+def _compiles(pattern: Any) -> bool:
+    try:
+        re.compile(pattern)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
 def _check_values(config: ml_collections.ConfigDict) -> None:
     p, t, o = config.precision, config.train, config.optimizer
     _require(isinstance(config.trainer, str) and bool(config.trainer), "trainer", config.trainer,
@@ -148,6 +157,8 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
              f"one of {', '.join(POLICIES)} or 'params=..,compute=..,output=..'")
     _require(parse_loss_scale(p.loss_scale) is not None, "precision.loss_scale", p.loss_scale,
              "'dynamic', 'none' or a positive number")
+    _require(_compiles(p.float32_layers), "precision.float32_layers", p.float32_layers,
+             "a Python regular expression over layer paths")
     for key in ("num_steps", "batch_size", "accumulation_steps", "steps_per_loop", "log_every_steps"):
         _require(_is_int(t[key]) and t[key] >= 1, f"train.{key}", t[key], "a positive integer")
     for key in ("max_consecutive_skips", "max_recoveries"):

@@ -78,7 +78,7 @@ def train(trainer: "Trainer") -> dict[str, float]:
         metrics, reason = _run_loops(trainer, stop)
         step = int(trainer.global_step.numpy())
         _save(trainer, step)
-        if stop.signal_number is not None:
+        if stop.signal_number is not None and step < trainer.config.train.num_steps:
             logging.info("Stopped by %s at step %d; checkpoint saved in %s. Run the same command "
                          "to resume.", signal.Signals(stop.signal_number).name, step,
                          trainer.checkpoints.directory)
@@ -106,7 +106,7 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
     last_step = num_steps if num_batches is None else min(num_steps, num_batches)
     writer = reporting.MetricWriter(trainer.workdir, enabled=trainer.is_chief)
     step = int(trainer.global_step.numpy())
-    if not trainer.checkpoints_iterator:
+    if not trainer.iterator_in_checkpoint:
         trainer.train_iterator = trainer.make_train_iterator(step)
     if step >= num_steps:
         logging.info("Already trained to step %d of %d; nothing to do.", step, num_steps)
@@ -142,6 +142,8 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
         if _is_due(trainer, step, config.train.log_every_steps) or step == last_step:
             metrics.update(_report_train(trainer, writer, step, interval))
             interval = reporting.Interval(step, trainer.skipped_total.numpy())
+        if stop.signal_number is not None:  # Save at once: a scheduler's grace period is short.
+            break
         if _is_due(trainer, step, config.eval.every_steps) and trainer.eval_data is not None:
             metrics.update(_report_eval(trainer, writer, step))
         if _is_due(trainer, step, config.checkpoint.every_steps):

@@ -115,10 +115,8 @@ class TrainStep:
             # The step all-reduces the gradients itself, before checking and clipping them; Keras
             # would otherwise sum the already summed gradients over the replicas a second time.
             optimizer._all_reduce_sum_gradients = list
-            # XLA goes around the replica function only: with it, GPUs all-reduce without merge_call.
             if jit_compile:
-                self._replica_gradients = tf.function(self._replica_gradients, jit_compile=True)
-            jit_compile = False
+                raise ValueError("jit_compile=True is not supported with more than one replica yet")
         self._compiled = tf.function(self.step, jit_compile=jit_compile)
 
     def __call__(self, batch: Batch) -> dict[str, tf.Tensor]:

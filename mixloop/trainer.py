@@ -18,6 +18,7 @@ from absl import logging
 
 from mixloop import (checkpointing, controller, distribution, guard, layer_precision, optimizers,
                      precision_setup)
+from mixloop.config import ConfigError
 from mixloop.errors import UserError
 from mixloop.loss_scale import DynamicLossScale
 from mixloop.step import Batch, TrainStep, default_input_fn
@@ -34,6 +35,7 @@ class Trainer:
         if config.deterministic:
             tf.config.experimental.enable_op_determinism()
         self.is_chief = distribution.is_chief(self.strategy)
+        _check_replica_batch(config, self.strategy.num_replicas_in_sync)
         self.policy, policy_reason = precision_setup.make_policy(config.precision.policy)
         logging.info("%s (%s); %s", policy_reason, self.policy, distribution.describe(self.strategy))
         with self.strategy.scope():
@@ -61,10 +63,10 @@ class Trainer:
             self.first_nonfinite = tf.Variable(tf.zeros_like(self.train_step.nonfinite_gradients),
                                                trainable=False, name="first_nonfinite")
         self._train_data, self.eval_data = self.build_datasets()
-        # One replica: the iterator itself is checkpointed. TensorFlow cannot checkpoint a
-        # distributed iterator, so several replicas fast-forward the data by the restored step.
-        self.checkpoints_iterator = self.strategy.num_replicas_in_sync == 1
-        self.train_iterator = self.make_train_iterator(0) if self.checkpoints_iterator else None
+        # A plain tf.data iterator is checkpointed itself. TensorFlow cannot checkpoint a
+        # distributed one, so other strategies fast-forward the data by the restored step.
+        self.train_iterator = self.make_train_iterator(0)
+        self.iterator_in_checkpoint = isinstance(self.train_iterator, tf.data.Iterator)
         self.logged_first_skip = False
         # What a checkpoint holds. Variables go in as lists: Keras 3 does not track every variable
         # (such as dropout seed states) through the model object.
@@ -75,7 +77,7 @@ class Trainer:
             global_step=self.global_step,
             skipped_total=self.skipped_total,
             consecutive_skips=self.consecutive_skips,
-            **({"train_iterator": self.train_iterator} if self.checkpoints_iterator else {}),
+            **({"train_iterator": self.train_iterator} if self.iterator_in_checkpoint else {}),
         )
         self.checkpoints = checkpointing.make_manager(
             self._checkpoint_workdir(), config.checkpoint.max_to_keep, **self.checkpointed
@@ -88,7 +90,8 @@ class Trainer:
         raise NotImplementedError("a Trainer subclass must define build_model()")
 
     def build_datasets(self) -> tuple[tf.data.Dataset, Optional[tf.data.Dataset]]:
-        """Returns (train, eval or None): datasets of global batches; train is repeated by the framework."""
+        """Returns (train, eval or None): datasets of global batches, the train one not repeated
+        (`config.train.repeat_dataset` asks the framework to repeat it)."""
         raise NotImplementedError("a Trainer subclass must define build_datasets()")
 
     def compute_loss(self, outputs: Any, batch: Batch) -> Any:
@@ -242,3 +245,15 @@ class Trainer:
     def resume_directory(self) -> str:
         """The checkpoints every process resumes from: the chief's."""
         return os.path.join(self.workdir, "checkpoints")
+
+
+def _check_replica_batch(config: ml_collections.ConfigDict, num_replicas: int) -> None:
+    """Each replica's slice of the batch must split into `accumulation_steps` micro-batches."""
+    train = config.train
+    if train.batch_size % (num_replicas * train.accumulation_steps):
+        raise ConfigError(
+            f"config.train.batch_size={train.batch_size} does not split into {num_replicas} "
+            f"replica(s) x {train.accumulation_steps} micro-batches (train.accumulation_steps)")
+    if config.jit_compile and num_replicas > 1:
+        raise ConfigError("config.jit_compile=True is not supported with more than one replica yet; "
+                          "set it to False or use one device")

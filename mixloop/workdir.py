@@ -16,6 +16,8 @@ LOCK_NAME = ".lock"
 
 
 def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():  # A lock of our own pid was left by an earlier life (a restarted container).
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -95,7 +97,12 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
         if not changes:
             return
         logging.warning("Resuming at step %d with a changed config: %s", step, "; ".join(changes))
-        os.replace(path, os.path.join(directory, f"config-step-{step}.json"))
-    with open(path, "w") as f:
+        kept, n = os.path.join(directory, f"config-step-{step}.json"), 1
+        while os.path.exists(kept):  # Changed twice at one step: keep both.
+            n += 1
+            kept = os.path.join(directory, f"config-step-{step}-{n}.json")
+        os.replace(path, kept)
+    with open(path + ".tmp", "w") as f:  # Written whole, then renamed: a kill leaves no half file.
         json.dump(new, f, indent=2, sort_keys=True)
         f.write("\n")
+    os.replace(path + ".tmp", path)

@@ -45,6 +45,7 @@ def test_unknown_key_is_named(section, key):
     ("optimizer.warmup_steps", 1000, "an integer in [0, train.num_steps=1000)"),
     ("eval.every_steps", -1, "a non-negative integer"),
     ("checkpoint.max_to_keep", 0, "a positive integer"),
+    ("precision.float32_layers", "(norm", "a Python regular expression over layer paths"),
 ])
 def test_bad_value_names_key_value_and_what_is_allowed(key, value, allowed):
     config = valid_config()

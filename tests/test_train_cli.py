@@ -56,7 +56,7 @@ def trained_workdir(tmp_path_factory):
      "config.train.num_steps=0 is not allowed: a positive integer"),
     ([f"--config={TINY_CONFIG}", "--config.trainer=no_such_module.Trainer"],
      "config.trainer='no_such_module.Trainer' does not import"),
-    ([f"--config={TINY_CONFIG}", "--config.model.width=32"], "does not match this model"),
+    ([f"--config={TINY_CONFIG}", "--config.model.width=32"], "does not match this run's model"),
 ])
 def test_bad_input_is_one_line_and_leaves_the_workdir(trained_workdir, args, message):
     before = snapshot(trained_workdir)

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tiny_experiment
+from mixloop.config import ConfigError
 from mixloop.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.precision_setup import make_loss_scale, make_policy
 
@@ -102,3 +103,21 @@ def test_auto_policy_on_cpu_is_float32_and_says_why():
 def test_dynamic_loss_scale_only_where_float16_needs_it(policy, expected):
     config = tiny_experiment.get_config().precision
     assert type(make_loss_scale(config, make_policy(policy)[0])) is expected
+
+
+def test_one_device_strategy_trains_and_resumes(tmp_path):
+    trainer = make_trainer(tmp_path, distribution="one_device", **{"train.num_steps": 10})
+    trainer.train()
+    resumed = make_trainer(tmp_path, distribution="one_device", **{"train.num_steps": 20})
+    resumed.train()
+    assert int(resumed.global_step.numpy()) == 20
+
+
+def test_accumulation_must_split_each_replica_slice(tmp_path):
+    with pytest.raises(ConfigError, match=r"batch_size=32 does not split into 2 replica\(s\) x 32"):
+        make_trainer(tmp_path, distribution="mirrored", **{"train.accumulation_steps": 32})
+
+
+def test_xla_with_replicas_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="jit_compile=True is not supported with more than one"):
+        make_trainer(tmp_path, distribution="mirrored", jit_compile=True)
