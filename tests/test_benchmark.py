@@ -1,0 +1,135 @@
+"""Speed: `python -m mixloop.benchmark` end to end, its variants and ratios, and what the numbers rest
+on: the inner loop is traced once, whatever the loop lengths, and entered from Python once per loop."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import tiny_experiment
+from mixloop import benchmark
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
+
+
+def run_cli(*args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "mixloop.benchmark", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
+    output = tmp_path / "speed.json"
+    result = run_cli(f"--config={TINY_CONFIG}", "--quick", f"--output={output}")
+    assert result.returncode == 0, result.stderr
+
+    report = json.loads(output.read_text())
+    names = [row["name"] for row in report["variants"]]
+    assert names == ["keras-fit", "keras-fit-tuned", "bare", "mixloop",
+                     "mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
+                     "mixloop accumulation_steps=8", "mixloop policy=float32",
+                     "mixloop policy=mixed_bfloat16", "mixloop policy=mixed_float16 loss_scale=none"]
+    assert report["repeats"] == 3 and report["quick"] is True
+    assert report["updates_per_repeat"] == 5 and report["examples_per_repeat"] == 5 * 32
+    for row in report["variants"]:
+        assert len(row["seconds"]) == 3 and all(s > 0 for s in row["seconds"])
+        speed = row["examples_per_sec"]
+        assert 0 < speed["min"] <= speed["median"] <= speed["max"]
+    assert list(report["ratios"]) == list(benchmark.RATIOS)
+    assert all(math.isfinite(r) and r > 0 for r in report["ratios"].values()), report["ratios"]
+
+    table = result.stdout.splitlines()
+    assert "| variant | policy | accumulation | loss scale | examples/s |" in result.stdout
+    assert [line.split("|")[1].strip() for line in table if line.startswith("| ")][1:] == names
+    assert "mixloop/keras-fit" in table[-1] and "k8/k1" in table[-1]
+
+
+@pytest.mark.slow
+def test_a_variant_that_does_not_fit_is_one_line_and_exit_2():
+    result = run_cli(f"--config={TINY_CONFIG}", "--quick", "--config.train.batch_size=36",
+                     "--config.train.accumulation_steps=1")
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "mixloop accumulation_steps=8" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("policy, loss_scale, expected", [
+    ("mixed_float16", "dynamic", ["mixloop policy=mixed_bfloat16",
+                                  "mixloop policy=mixed_float16 loss_scale=none"]),
+    ("mixed_bfloat16", "dynamic", ["mixloop policy=mixed_float16",
+                                   "mixloop policy=mixed_float16 loss_scale=none"]),
+    ("float32", "none", ["mixloop policy=mixed_float16",
+                         "mixloop policy=mixed_bfloat16",
+                         "mixloop policy=mixed_float16 loss_scale=dynamic"]),
+])
+def test_variations_change_one_setting_and_skip_what_the_configured_run_measures(
+        policy, loss_scale, expected):
+    config = tiny_experiment.get_config()
+    config.precision.policy, config.precision.loss_scale = policy, loss_scale
+    names = list(benchmark.mixloop_configs(config))
+    accumulation = ["mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
+                    "mixloop accumulation_steps=8"]
+    policies = [] if policy == "float32" else ["mixloop policy=float32"]
+    assert names == ["mixloop", *accumulation, *policies, *expected]
+
+
+def test_ratios_pair_repeats_before_taking_the_median():
+    def variant(seconds):
+        return benchmark.Variant("v", "float32", 1, "none", run_fn=lambda: None, seconds=seconds)
+
+    # A noisy second repeat slows both: per-repeat ratios 2, 2, 0.5 have median 2; the ratio of
+    # the median speeds would say 1.
+    fast, slow = variant([1.0, 4.0, 4.0]), variant([2.0, 8.0, 2.0])
+    assert benchmark.pairwise_ratio(fast, slow) == 2.0
+
+
+def make_trainer(workdir, **overrides):
+    config = tiny_experiment.get_config()
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        config[section][field] = value
+    return tiny_experiment.TinyTrainer(config, str(workdir))
+
+
+# Loops end at every multiple of 7, 10, 15 and 20 and at 43: lengths 7, 3, 4, 1, 5, 1, 7, 2, ...
+UNEVEN_LOOPS = {"train.num_steps": 43, "train.steps_per_loop": 7, "train.log_every_steps": 10,
+                "eval.every_steps": 15, "checkpoint.every_steps": 20}
+
+
+def test_the_inner_loop_and_the_step_are_traced_once_over_a_whole_run(tmp_path):
+    trainer = make_trainer(tmp_path, **UNEVEN_LOOPS)
+    trainer.train()
+
+    assert int(trainer.global_step.numpy()) == 43
+    assert trainer._train_loop.experimental_get_tracing_count() == 1
+    assert trainer.train_step._compiled.experimental_get_tracing_count() == 1
+    assert trainer._eval_step.experimental_get_tracing_count() == 1
+
+
+def test_python_enters_the_inner_loop_once_per_loop_and_the_loop_holds_no_python(tmp_path):
+    trainer = make_trainer(tmp_path, **{"train.num_steps": 40, "train.steps_per_loop": 10,
+                                        "train.log_every_steps": 20})
+    compiled_loop, loop_lengths = trainer._train_loop, []
+
+    def counted_loop(iterator, num_steps):
+        loop_lengths.append(int(num_steps))
+        return compiled_loop(iterator, num_steps)
+
+    trainer._train_loop = counted_loop
+    trainer.train()
+
+    assert loop_lengths == [10, 10, 10, 10]
+    graph = compiled_loop.get_concrete_function(trainer.train_iterator, tf.constant(10)).graph
+    op_types = {op.type for op in graph.get_operations()}
+    op_types |= {node.op for function in graph.as_graph_def().library.function
+                 for node in function.node_def}
+    assert not op_types & {"PyFunc", "PyFuncStateless", "EagerPyFunc"}
+    assert "While" in op_types or "StatelessWhile" in op_types  # The steps loop inside the graph.
