@@ -47,11 +47,6 @@ from mixloop.errors import UserError
 from mixloop.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.step import as_sum_and_weight
 
-_QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 3 repeats of at most 5 updates each.")
-_REPEATS = flags.DEFINE_integer(
-    "repeats", None, "Timed repeats of every variant (default 5, or 3 with --quick).", lower_bound=1)
-_OUTPUT = flags.DEFINE_string("output", None, "Also write the results as JSON to this file.")
-
 REPEATS, QUICK_REPEATS = 5, 3
 QUICK_STEPS_PER_LOOP = 5  # --quick caps train.steps_per_loop (and so the updates per repeat) at this.
 ACCUMULATION_STEPS = (1, 4, 8)
@@ -398,20 +393,31 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
     return results(variants, trainer.config, repeats=repeats, quick=quick)
 
 
+def _define_flags() -> None:
+    """The command's flags beside cli's --config and --workdir. Defined only when the module runs as
+    a program: mixloop.diagnose has an --output flag too, and the tests import both modules."""
+    flags.DEFINE_bool("quick", False, "A smoke run: 3 repeats of at most 5 updates each.")
+    flags.DEFINE_integer("repeats", None, "Timed repeats of every variant (default 5, or 3 with "
+                         "--quick).", lower_bound=1)
+    flags.DEFINE_string("output", None, "Also write the results as JSON to this file.")
+
+
 def main() -> None:
     config, _ = cli.experiment_from_flags()
+    options = flags.FLAGS
     # fit's `shuffle` defaults to True, which a tf.data.Dataset ignores, with a warning.
     warnings.filterwarnings("ignore", message="`shuffle=True` was passed")
-    repeats = _REPEATS.value or (QUICK_REPEATS if _QUICK.value else REPEATS)
-    report = benchmark(config, repeats=repeats, quick=_QUICK.value)
+    repeats = options.repeats or (QUICK_REPEATS if options.quick else REPEATS)
+    report = benchmark(config, repeats=repeats, quick=options.quick)
     print(format_table(report))
-    if _OUTPUT.value:
-        write_json(report, _OUTPUT.value)
-        logging.info("Wrote %s", _OUTPUT.value)
+    if options.output:
+        write_json(report, options.output)
+        logging.info("Wrote %s", options.output)
     # Python's last garbage collection, at exit, would spend longer deleting the traced functions
     # than --quick spends timing them (20 s for charlm); the process is ending anyway.
     gc.freeze()
 
 
 if __name__ == "__main__":
+    _define_flags()
     cli.run(main)
