@@ -65,7 +65,8 @@ class Trainer:
         self._train_data, self.eval_data = self.build_datasets()
         # A plain tf.data iterator is checkpointed itself. TensorFlow cannot checkpoint a
         # distributed one, so other strategies fast-forward the data by the restored step.
-        self.train_iterator = self.make_train_iterator(0)
+        self.train_iterator = (self.make_train_iterator(0)
+                               if self.strategy.num_replicas_in_sync == 1 else None)
         self.iterator_in_checkpoint = isinstance(self.train_iterator, tf.data.Iterator)
         self.logged_first_skip = False
         # What a checkpoint holds. Variables go in as lists: Keras 3 does not track every variable
