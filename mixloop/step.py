@@ -212,8 +212,12 @@ class TrainStep:
 
     def nonfinite_variable_paths(self) -> list[str]:
         """Paths of the variables whose gradients were non-finite in the last skipped update."""
-        mask = self.nonfinite_gradients.numpy()
-        return [v.path for v, bad in zip(self.model.trainable_variables, mask) if bad]
+        return masked_paths(self.model.trainable_variables, self.nonfinite_gradients)
+
+
+def masked_paths(variables: list, mask: tf.Variable) -> list[str]:
+    """Paths of the `variables` whose entry in the boolean `mask` is True."""
+    return [v.path for v, marked in zip(variables, mask.numpy()) if marked]
 
 
 def _count_nonfinite_floats(tree: Any) -> tf.Tensor:

@@ -21,7 +21,7 @@ from mixloop import (checkpointing, controller, distribution, guard, layer_preci
 from mixloop.config import ConfigError
 from mixloop.errors import UserError
 from mixloop.loss_scale import DynamicLossScale
-from mixloop.step import Batch, TrainStep, default_input_fn
+from mixloop.step import Batch, TrainStep, default_input_fn, masked_paths
 
 
 class Trainer:
@@ -198,8 +198,7 @@ class Trainer:
 
     def nonfinite_variable_paths(self) -> list[str]:
         """Paths of the variables whose gradients were non-finite first in the latest skip streak."""
-        mask = self.first_nonfinite.numpy()
-        return [v.path for v, bad in zip(self.model.trainable_variables, mask) if bad]
+        return masked_paths(self.model.trainable_variables, self.first_nonfinite)
 
     def export(self) -> str:
         """Saves the model in float32 as `workdir/model.keras` for inference; returns the path."""
