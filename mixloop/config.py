@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from mixloop.errors import UserError
 from mixloop.policy import Policy
@@ -35,7 +36,8 @@ def base_config() -> ml_collections.ConfigDict:
     config.trainer = ""  # Import path of the Trainer subclass, "package.module.ClassName".
     config.seed = 0  # Seeds Python, NumPy, TensorFlow and Keras.
     config.deterministic = False  # Deterministic kernels: a resumed run ends bit-identical.
-    config.jit_compile = False  # Compile the train step with XLA.
+    # Compile the train step with XLA: True, False, or None (auto): on with one replica, off with several.
+    config.jit_compile = placeholder(bool)
     config.distribution = "auto"  # auto, one_device, mirrored, multi_worker (TF_CONFIG) or tpu.
 
     config.precision = ml_collections.ConfigDict()
@@ -151,6 +153,8 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
     p, t, o = config.precision, config.train, config.optimizer
     _require(isinstance(config.trainer, str) and bool(config.trainer), "trainer", config.trainer,
              "the import path of a Trainer subclass, e.g. 'experiments.charlm.CharLMTrainer'")
+    _require(config.jit_compile is None or isinstance(config.jit_compile, bool), "jit_compile",
+             config.jit_compile, "True, False, or None (auto: XLA with one replica)")
     _require(config.distribution in DISTRIBUTIONS, "distribution", config.distribution,
              f"one of {', '.join(DISTRIBUTIONS)}")
     _require(p.policy == "auto" or _parses_as_policy(p.policy), "precision.policy", p.policy,

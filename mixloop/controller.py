@@ -165,7 +165,9 @@ def _op_error_summary(error: tf.errors.OpError) -> str:
 def _divergence_message(trainer: "Trainer", reason: int, totals: dict) -> str:
     message = guard.describe(
         reason, step=int(trainer.global_step.numpy()), loss=float(totals["last_loss"]),
-        inputs_finite=bool(totals["last_inputs_finite"]), scale=float(totals["last_scale"]),
+        inputs_finite=bool(totals["last_inputs_finite"]),
+        grads_finite=bool(totals["last_grads_finite"]), xla=trainer.jit_compile,
+        scale=float(totals["last_scale"]),
         consecutive_skips=int(trainer.consecutive_skips.numpy()),
         max_consecutive_skips=trainer.config.train.max_consecutive_skips,
         nonfinite_paths=trainer.nonfinite_variable_paths(),

@@ -65,6 +65,8 @@ def describe(
     step: int,
     loss: float,
     inputs_finite: bool,
+    grads_finite: bool,
+    xla: bool,
     scale: float,
     consecutive_skips: int,
     max_consecutive_skips: int,
@@ -75,6 +77,9 @@ def describe(
         cause = f"the float32 loss is {loss}"
         if not inputs_finite:
             cause += " and the batch's floating inputs contain inf or NaN (bad data)"
+        elif grads_finite and xla:
+            cause += (" with finite gradients, as XLA gives for an integer input out of range, such "
+                      "as a label (--config.jit_compile=False names the failing op instead)")
     elif reason == TOO_MANY_SKIPS:
         cause = (f"{consecutive_skips} updates in a row were skipped for non-finite gradients "
                  f"(train.max_consecutive_skips={max_consecutive_skips})")

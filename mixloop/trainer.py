@@ -36,8 +36,11 @@ class Trainer:
             tf.config.experimental.enable_op_determinism()
         self.is_chief = distribution.is_chief(self.strategy)
         _check_replica_batch(config, self.strategy.num_replicas_in_sync)
+        self.jit_compile = resolve_jit_compile(config.jit_compile, self.strategy.num_replicas_in_sync)
         self.policy, policy_reason = precision_setup.make_policy(config.precision.policy)
-        logging.info("%s (%s); %s", policy_reason, self.policy, distribution.describe(self.strategy))
+        logging.info("%s (%s); %s; train step %s", policy_reason, self.policy,
+                     distribution.describe(self.strategy),
+                     "compiled with XLA" if self.jit_compile else "without XLA")
         with self.strategy.scope():
             self.model = layer_precision.build_model(
                 self.build_model, self.policy, config.precision.float32_layers
@@ -52,7 +55,7 @@ class Trainer:
                 loss_scale=self.loss_scale,
                 accumulation_steps=config.train.accumulation_steps,
                 clip_global_norm=config.train.clip_global_norm or None,
-                jit_compile=config.jit_compile,
+                jit_compile=self.jit_compile,
                 input_fn=self.model_inputs,
             )
             counter = dict(dtype=tf.int64, trainable=False)
@@ -121,7 +124,7 @@ class Trainer:
         """The inner loop: up to `num_steps` train steps in one graph, returning sums for reporting.
 
         It ends early, with a `guard` reason in `stop_reason`, when an update shows the run
-        diverging; `last_*` hold that update's loss, scale and input check. (The end of the data is
+        diverging; `last_*` hold that update's loss, scale, input and gradient checks. (The end of the data is
         the outer loop's business: it never asks for more batches than there are.)
         """
         min_scale = self.loss_scale.min_scale if isinstance(self.loss_scale, DynamicLossScale) else None
@@ -130,6 +133,7 @@ class Trainer:
             "grad_norm_sum": tf.constant(0.0), "num_applied": tf.constant(0.0),
             "stop_reason": tf.constant(guard.CONTINUE), "last_loss": tf.constant(0.0),
             "last_scale": tf.constant(0.0), "last_inputs_finite": tf.constant(True),
+            "last_grads_finite": tf.constant(True),
         }
         for _ in tf.range(num_steps):
             metrics = self.train_step(next(iterator))
@@ -142,6 +146,7 @@ class Trainer:
             totals["last_loss"] = metrics["loss"]
             totals["last_scale"] = metrics["loss_scale"]
             totals["last_inputs_finite"] = metrics["inputs_finite"]
+            totals["last_grads_finite"] = metrics["grads_finite"]
             if not applied and self.consecutive_skips == 0:
                 self.first_nonfinite.assign(self.train_step.nonfinite_gradients)
             self.consecutive_skips.assign(tf.where(applied, tf.constant(0, tf.int64),
@@ -254,6 +259,22 @@ def _check_replica_batch(config: ml_collections.ConfigDict, num_replicas: int) -
         raise ConfigError(
             f"config.train.batch_size={train.batch_size} does not split into {num_replicas} "
             f"replica(s) x {train.accumulation_steps} micro-batches (train.accumulation_steps)")
-    if config.jit_compile and num_replicas > 1:
+
+
+def resolve_jit_compile(jit_compile: Optional[bool], num_replicas: int) -> bool:
+    """Whether the train step compiles with XLA: as configured, or when unset (None) with one replica.
+
+    XLA fuses the step's many small ops (casts, norms, the optimizer's per-variable arithmetic),
+    which on a CPU is worth more than Keras's own rule (XLA only off the CPU) assumes: see the
+    benchmark's `jit_compile` row. With several replicas the step calls `strategy.run`, which XLA
+    does not compile here.
+
+    Raises:
+      ConfigError: for jit_compile=True with more than one replica.
+    """
+    if jit_compile is None:
+        return num_replicas == 1
+    if jit_compile and num_replicas > 1:
         raise ConfigError("config.jit_compile=True is not supported with more than one replica yet; "
-                          "set it to False or use one device")
+                          "set it to False or leave it unset (None: XLA with one replica only)")
+    return jit_compile

@@ -74,3 +74,15 @@ def test_explicit_policy_strings_are_accepted():
     config = valid_config()
     config.precision.policy = "c=bfloat16,p=float32,o=float32"
     validate(config)
+
+
+def test_jit_compile_is_true_false_or_unset_for_auto():
+    config = valid_config()
+    assert config.jit_compile is None
+    for value in (True, False):
+        config.jit_compile = value
+        validate(config)
+    with config.ignore_type():
+        config.jit_compile = "yes"
+    with pytest.raises(ConfigError, match=r"config.jit_compile='yes' is not allowed: True, False, or None"):
+        validate(config)

@@ -105,7 +105,16 @@ def test_labels_out_of_range_are_named(tmp_path):
     with pytest.raises(UserError, match=r"the train step failed near step 1: indices\[\d+\] = 3 is "
                                         r"not in \[0, 3\) \(an integer input, such as a label, "
                                         r"outside its valid range\)$"):
+        make_trainer(tmp_path, **{"data.label_offset": 1, "jit_compile": False}).train()
+
+
+def test_under_xla_labels_out_of_range_stop_the_run_with_a_hint(tmp_path):
+    # XLA's gather does not fail on a bad index: the loss is NaN and its gradient finite.
+    with pytest.raises(guard.TrainingDiverged, match=r"at step 1: the float32 loss is nan with finite "
+                                                     r"gradients, as XLA gives for an integer input "
+                                                     r"out of range, such as a label"):
         make_trainer(tmp_path, **{"data.label_offset": 1}).train()
+    assert checkpoint_steps(tmp_path) == []
 
 
 # ----- Workdir safety -----

@@ -12,6 +12,7 @@ import tiny_experiment
 from mixloop.config import ConfigError
 from mixloop.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.precision_setup import make_loss_scale, make_policy
+from mixloop.trainer import resolve_jit_compile
 
 TRAIN_TAGS = {"loss", "loss_scale", "skipped_steps", "skipped_total", "grad_norm", "learning_rate",
               "steps_per_sec", "examples_per_sec"}
@@ -121,3 +122,17 @@ def test_accumulation_must_split_each_replica_slice(tmp_path):
 def test_xla_with_replicas_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="jit_compile=True is not supported with more than one"):
         make_trainer(tmp_path, distribution="mirrored", jit_compile=True)
+
+
+@pytest.mark.parametrize("jit_compile, num_replicas, expected", [
+    (None, 1, True), (None, 2, False), (True, 1, True), (False, 1, False), (False, 2, False),
+])
+def test_xla_is_as_configured_or_by_default_on_with_one_replica(jit_compile, num_replicas, expected):
+    assert resolve_jit_compile(jit_compile, num_replicas) is expected
+
+
+def test_the_default_step_compiles_with_xla_on_one_device_and_without_on_two(tmp_path):
+    one = make_trainer(tmp_path / "one")
+    two = make_trainer(tmp_path / "two", distribution="mirrored")
+    assert one.jit_compile and one.train_step._compiled._jit_compile
+    assert not two.jit_compile and not two.train_step._compiled._jit_compile
