@@ -6,13 +6,16 @@ times, in one process, the same optimizer updates on the same batches done sever
 
     keras-fit        Keras's global dtype policy, a fresh `build_model()`, `model.compile` with the same
                      optimizer (in a LossScaleOptimizer for float16) and loss, `model.fit` as it comes
+                     (on a CPU-only machine Keras leaves XLA off)
     keras-fit-tuned  the same with jit_compile=True and steps_per_execution=train.steps_per_loop
     bare             a hand-written tf.function loop: forward, loss, gradient, clipping and update in
-                     the same precision; no loss scale, no accumulation, no metrics. The floor.
+                     the same precision, with XLA as the Trainer's step; no loss scale, no
+                     accumulation, no metrics. The floor.
     mixloop          the configured Trainer's compiled inner loop, called as the outer loop calls it
     mixloop KEY=...  the same with one setting changed: accumulation_steps 1, 4 and 8 (same global
                      batch); policy float32, mixed_float16 and mixed_bfloat16; loss_scale dynamic and
-                     none in float16 (the only dtype where a dynamic scale does anything)
+                     none in float16 (the only dtype where a dynamic scale does anything); jit_compile
+                     the other way round
 
 Every variant is built and warmed up first, which traces all it will run. Then the repeats run
 interleaved (A B C ... A B C ...), so a busy neighbour slows every variant alike. A repeat is
@@ -46,6 +49,7 @@ from mixloop.config import validate
 from mixloop.errors import UserError
 from mixloop.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.step import as_sum_and_weight
+from mixloop.trainer import resolve_jit_compile
 
 REPEATS, QUICK_REPEATS = 5, 3
 QUICK_STEPS_PER_LOOP = 5  # --quick caps train.steps_per_loop (and so the updates per repeat) at this.
@@ -63,6 +67,7 @@ class Variant:
     policy: str  # Keras policy name.
     accumulation_steps: int
     loss_scale: str  # The scale in effect: "dynamic", "none" or the static value.
+    xla: bool  # Whether the update is compiled with XLA.
     run_fn: Callable[[], None] = dataclasses.field(repr=False)  # One repeat, finished on the device.
     seconds: list[float] = dataclasses.field(default_factory=list)
 
@@ -123,7 +128,8 @@ def keras_fit_variant(trainer, data: tf.data.Dataset, *, tuned: bool) -> Variant
     model.compile(optimizer=optimizer, loss=_keras_loss(trainer), **tuning)
     epoch = data.prefetch(tf.data.AUTOTUNE)
     return Variant("keras-fit-tuned" if tuned else "keras-fit", policy.keras_name, 1,
-                   "dynamic" if float16 else "none", lambda: model.fit(epoch, verbose=0))
+                   "dynamic" if float16 else "none", model.jit_compile,
+                   lambda: model.fit(epoch, verbose=0))
 
 
 def bare_variant(trainer, data: tf.data.Dataset) -> Variant:
@@ -132,7 +138,7 @@ def bare_variant(trainer, data: tf.data.Dataset) -> Variant:
     model = layer_precision.build_model(trainer.build_model, policy, config.precision.float32_layers)
     optimizer = _with_clipping(trainer.build_optimizer(), config.train.clip_global_norm)
 
-    @tf.function(jit_compile=config.jit_compile)
+    @tf.function(jit_compile=trainer.jit_compile)
     def step(batch):
         with tf.GradientTape() as tape:
             inputs = policy.cast_to_compute(trainer.model_inputs(batch))
@@ -151,7 +157,7 @@ def bare_variant(trainer, data: tf.data.Dataset) -> Variant:
 
     iterator = iter(data.repeat().prefetch(tf.data.AUTOTUNE))
     num_steps = tf.constant(config.train.steps_per_loop)
-    return Variant("bare", policy.keras_name, 1, "none",
+    return Variant("bare", policy.keras_name, 1, "none", trainer.jit_compile,
                    lambda: loop(iterator, num_steps).numpy())
 
 
@@ -179,15 +185,17 @@ def mixloop_variant(name: str, config: ml_collections.ConfigDict, trainer_class:
     return Variant(name, *_settings(config), run)
 
 
-def _settings(config: ml_collections.ConfigDict) -> tuple[str, int, str]:
-    """(policy, accumulation_steps, loss scale in effect) of a config: what tells two runs apart."""
+def _settings(config: ml_collections.ConfigDict) -> tuple[str, int, str, bool]:
+    """(policy, accumulation_steps, loss scale in effect, XLA) of a one-replica config: what tells
+    two runs apart."""
     policy, _ = precision_setup.make_policy(config.precision.policy)
     scale = precision_setup.make_loss_scale(config.precision, policy)
     if isinstance(scale, (DynamicLossScale, NoLossScale)):
         scale_name = "dynamic" if isinstance(scale, DynamicLossScale) else "none"
     else:
         scale_name = f"{float(scale.scale):g}"
-    return policy.keras_name, config.train.accumulation_steps, scale_name
+    xla = resolve_jit_compile(config.jit_compile, num_replicas=1)
+    return policy.keras_name, config.train.accumulation_steps, scale_name, xla
 
 
 def _float16_policy(config: ml_collections.ConfigDict) -> str:
@@ -208,13 +216,14 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
     changes = [{"train.accumulation_steps": k} for k in ACCUMULATION_STEPS]
     changes += [{"precision.policy": p} for p in POLICIES]
     changes += [{"precision.policy": float16, "precision.loss_scale": s} for s in ("dynamic", "none")]
+    changes += [{"jit_compile": not _settings(config)[3]}]
     configs, seen = {"mixloop": config}, [_settings(config)]
     for change in changes:
-        name = "mixloop " + " ".join(f"{key.split('.')[1]}={value}" for key, value in change.items())
+        name = "mixloop " + " ".join(f"{key.split('.')[-1]}={value}" for key, value in change.items())
         changed = config.copy_and_resolve_references()
         for key, value in change.items():
-            section, field = key.split(".")
-            changed[section][field] = value
+            *section, field = key.split(".")
+            (changed[section[0]] if section else changed)[field] = value
         try:
             validate(changed)
         except UserError as error:
@@ -277,16 +286,17 @@ def _find(variants: list[Variant], **wanted: Any) -> Variant:
 def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) -> dict[str, float]:
     """The ratios of RATIOS, keyed by name."""
     by_name = {v.name: v for v in variants}
-    policy, k, scale = _settings(config)
+    policy, k, scale, xla = _settings(config)
     float16 = _float16_policy(config)
     pairs = {
         "mixloop/keras-fit": (by_name["mixloop"], by_name["keras-fit"]),
         "mixloop/keras-fit-tuned": (by_name["mixloop"], by_name["keras-fit-tuned"]),
         "mixloop/bare": (by_name["mixloop"], by_name["bare"]),
-        "dynamic/none": (_find(variants, policy=float16, accumulation_steps=k, loss_scale="dynamic"),
-                         _find(variants, policy=float16, accumulation_steps=k, loss_scale="none")),
-        "k8/k1": (_find(variants, policy=policy, accumulation_steps=8, loss_scale=scale),
-                  _find(variants, policy=policy, accumulation_steps=1, loss_scale=scale)),
+        "dynamic/none": (
+            _find(variants, policy=float16, accumulation_steps=k, loss_scale="dynamic", xla=xla),
+            _find(variants, policy=float16, accumulation_steps=k, loss_scale="none", xla=xla)),
+        "k8/k1": (_find(variants, policy=policy, accumulation_steps=8, loss_scale=scale, xla=xla),
+                  _find(variants, policy=policy, accumulation_steps=1, loss_scale=scale, xla=xla)),
     }
     return {name: pairwise_ratio(*pairs[name]) for name in RATIOS}
 
@@ -304,7 +314,7 @@ def results(variants: list[Variant], config: ml_collections.ConfigDict, *, repea
         speeds = [steps_per_loop * batch_size / seconds for seconds in v.seconds]
         rows.append(dict(
             name=v.name, policy=v.policy, accumulation_steps=v.accumulation_steps,
-            loss_scale=v.loss_scale, seconds=[round(s, 4) for s in v.seconds],
+            loss_scale=v.loss_scale, xla=v.xla, seconds=[round(s, 4) for s in v.seconds],
             examples_per_sec=dict(median=round(statistics.median(speeds), 1),
                                   min=round(min(speeds), 1), max=round(max(speeds), 1)),
             vs_keras_fit=round(pairwise_ratio(v, by_name["keras-fit"]), 3),
@@ -349,14 +359,17 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         summary,
         "",
-        "| variant | policy | accumulation | loss scale | examples/s | min–max | × keras-fit | × bare |",
-        "|---|---|--:|---|--:|--:|--:|--:|",
+        "| variant | policy | accumulation | loss scale | XLA | examples/s | min–max | × keras-fit "
+        "| × bare |",
+        "|---|---|--:|---|---|--:|--:|--:|--:|",
     ]
     for row in report["variants"]:
         speed = row["examples_per_sec"]
+        xla = "yes" if row["xla"] else "no"
         lines.append(f"| {row['name']} | {row['policy']} | {row['accumulation_steps']} | "
-                     f"{row['loss_scale']} | {speed['median']:.0f} | {speed['min']:.0f}–{speed['max']:.0f}"
-                     f" | {row['vs_keras_fit']:.2f} | {row['vs_bare']:.2f} |")
+                     f"{row['loss_scale']} | {xla} | {speed['median']:.0f} | "
+                     f"{speed['min']:.0f}–{speed['max']:.0f} | {row['vs_keras_fit']:.2f} | "
+                     f"{row['vs_bare']:.2f} |")
     ratios = ", ".join(f"{name} {value:.2f}" for name, value in report["ratios"].items())
     return "\n".join(lines + ["", f"Ratios (median over repeats of per-repeat ratios): {ratios}"])
 

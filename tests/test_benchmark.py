@@ -35,7 +35,10 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
     assert names == ["keras-fit", "keras-fit-tuned", "bare", "mixloop",
                      "mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
                      "mixloop accumulation_steps=8", "mixloop policy=float32",
-                     "mixloop policy=mixed_bfloat16", "mixloop policy=mixed_float16 loss_scale=none"]
+                     "mixloop policy=mixed_bfloat16", "mixloop policy=mixed_float16 loss_scale=none",
+                     "mixloop jit_compile=False"]
+    # XLA: fit leaves it off on a CPU, the tuned fit turns it on, bare follows the Trainer's default.
+    assert [row["xla"] for row in report["variants"]] == [False] + [True] * 9 + [False]
     assert report["repeats"] == 3 and report["quick"] is True
     assert report["updates_per_repeat"] == 5 and report["examples_per_repeat"] == 5 * 32
     for row in report["variants"]:
@@ -46,7 +49,7 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
     assert all(math.isfinite(r) and r > 0 for r in report["ratios"].values()), report["ratios"]
 
     table = result.stdout.splitlines()
-    assert "| variant | policy | accumulation | loss scale | examples/s |" in result.stdout
+    assert "| variant | policy | accumulation | loss scale | XLA | examples/s |" in result.stdout
     assert [line.split("|")[1].strip() for line in table if line.startswith("| ")][1:] == names
     assert "mixloop/keras-fit" in table[-1] and "k8/k1" in table[-1]
 
@@ -78,12 +81,18 @@ def test_variations_change_one_setting_and_skip_what_the_configured_run_measures
     accumulation = ["mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
                     "mixloop accumulation_steps=8"]
     policies = [] if policy == "float32" else ["mixloop policy=float32"]
-    assert names == ["mixloop", *accumulation, *policies, *expected]
+    assert names == ["mixloop", *accumulation, *policies, *expected, "mixloop jit_compile=False"]
+
+
+def test_with_xla_off_the_variation_turns_it_on():
+    config = tiny_experiment.get_config()
+    config.jit_compile = False
+    assert list(benchmark.mixloop_configs(config))[-1] == "mixloop jit_compile=True"
 
 
 def test_ratios_pair_repeats_before_taking_the_median():
     def variant(seconds):
-        return benchmark.Variant("v", "float32", 1, "none", run_fn=lambda: None, seconds=seconds)
+        return benchmark.Variant("v", "float32", 1, "none", False, run_fn=lambda: None, seconds=seconds)
 
     # A noisy second repeat slows both: per-repeat ratios 2, 2, 0.5 have median 2; the ratio of
     # the median speeds would say 1.
