@@ -12,8 +12,9 @@ Run (from the repository root)::
 Expect, on 2 CPU cores: about 2.5 minutes (152 s measured; 12-14 updates/s once the XLA-compiled
 step is built) for 1,500 updates of a 0.47M-parameter model, and eval 1.98 bits per character (loss
 1.37 nats), against 4.55 bits for the unigram entropy of the train text that the Trainer logs.
-The `quick` variant runs 40 updates in about 15 seconds and ends near 4.4 bits per character. Measured with Python 3.11's standard library;
-another Python version has other files, so the figures shift a little.
+The `quick` variant runs 40 updates in about 15 seconds and ends near 4.4 bits per character.
+Measured with Python 3.11's standard library; another Python version has other files, so the
+figures shift a little.
 """
 
 from __future__ import annotations
