@@ -1,34 +1,51 @@
-"""Per-layer precision: building a Keras model under a policy, with sensitive layers kept in float32.
+"""Per-layer precision: building a Keras model under a policy, with the layers 16 bits break kept in float32.
 
 Keras 3 gives every layer a `DTypePolicy`; a global policy set while the model is built makes every
 layer mixed, and assigning `layer.dtype_policy` afterwards switches a single layer back to float32
 compute (its variables are float32 already). We set the per-layer policy after construction rather
 than through a `DTypePolicyMap` because the research code builds the model and must not have to thread
 a dtype argument through every layer.
+
+A layer kept in float32 computes in float32 and hands the compute dtype back to what follows it: its
+floating outputs are cast back, so plain arithmetic after it (`x + residual` after a post-LN block's
+LayerNormalization) sees one dtype. Only the model's own outputs leave in float32.
+
+Layers are named by their *path*: the names from the model's own layers down to the layer, joined by
+`/`, e.g. `bert_backbone/transformer_layer_0/self_attention/softmax` for a backbone nested in a model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
+import functools
 import re
 from typing import Callable, Iterator
 
 import keras
 
+from mixloop.config import ConfigError
 from mixloop.policy import Policy
 
-# Layer types whose arithmetic loses too much in 16 bits: reductions over many elements (norms),
-# exponentials (softmax, including the one inside MultiHeadAttention) and table lookups whose rows
-# are read back as float32 master weights.
-FLOAT32_LAYER_TYPES: tuple[type, ...] = (
-    keras.layers.LayerNormalization,
-    keras.layers.BatchNormalization,
-    keras.layers.GroupNormalization,
-    keras.layers.UnitNormalization,
-    keras.layers.RMSNormalization,
-    keras.layers.Softmax,
-    keras.layers.Embedding,
-)
+# Layer types whose own arithmetic loses too much in 16 bits, as measured by
+# tests/test_layer_precision.py::test_default_float32_types_are_the_ones_16_bits_break: softmax
+# (exponentials, sums along a long axis: ~10x the error of rounding its float32 result) and
+# UnitNormalization (its sum of squares overflows float16). Keras's Layer-, Batch-, Group- and
+# RMSNormalization already compute their statistics in float32 inside, and Embedding gathers rows of
+# its float32 table before casting them: switching those changes nothing but the dtype they return.
+FLOAT32_LAYER_TYPES: tuple[type, ...] = (keras.layers.Softmax, keras.layers.UnitNormalization)
+# A layer of this name produces the logits the loss reads (the convention experiments follow): in
+# bfloat16 a logit of 10 would be rounded by up to 0.04 before the loss sees it.
+LOGITS_LAYER_NAME = "logits"
+
+
+@dataclasses.dataclass(frozen=True)
+class Float32Layer:
+    """A layer switched to float32 compute, and why."""
+
+    path: str
+    reason: str  # "Softmax (default type)", "named logits" or "precision.float32_layers".
 
 
 @contextlib.contextmanager
@@ -51,6 +68,9 @@ def build_model(
       build_fn: returns a built Keras model (its variables must exist).
       policy: parameter and compute dtypes for the layers.
       float32_layers: a regex; layers whose path fully matches it also compute in float32.
+
+    Raises:
+      ConfigError: when `float32_layers` matches no layer path.
     """
     with global_dtype_policy(policy):
         model = build_fn()
@@ -58,39 +78,116 @@ def build_model(
     return model
 
 
-def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -> list[str]:
-    """Switches the sensitive layers of `model` to float32 compute; returns their paths.
+def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -> list[Float32Layer]:
+    """Switches the sensitive layers of `model` to float32 compute; returns them with the reason.
 
-    Sensitive layers are those of `FLOAT32_LAYER_TYPES`, the layers that produce the outputs of a
-    functional or sequential model (the final logits), any layer named `logits` (for subclassed
-    models), and any layer whose path (its name, for sublayers Keras gives no path) fully matches
-    `pattern`, together with all of that layer's sublayers. Does nothing unless the policy computes
-    in a lower precision than its float32 parameters.
+    Sensitive layers are those of `FLOAT32_LAYER_TYPES`, any layer named `logits`, and any layer
+    whose path fully matches `pattern`, together with all of that layer's sublayers. Each switched
+    layer not inside another switched one casts its floating outputs back to the compute dtype,
+    unless they are outputs of the model. Does nothing unless the policy computes in a lower
+    precision than its float32 parameters, but checks `pattern` under every policy.
+
+    Raises:
+      ConfigError: when `pattern` is set and fully matches no layer path (naming some real paths).
     """
+    layers = named_layers(model)
+    matcher = re.compile(pattern) if pattern else None
+    if matcher is not None and not any(matcher.fullmatch(path) for path in layers):
+        raise ConfigError(_no_match_message(pattern, list(layers)))
     if not policy.is_mixed or policy.param_dtype.name != "float32":
         return []
-    matcher = re.compile(pattern) if pattern else None
-    output_layers = _output_layers(model)
-    kept = {}
-    for layer in model._flatten_layers(include_self=False):
-        if matcher is not None and matcher.fullmatch(layer_path(layer)):
-            # Keras reads each sublayer's own policy, so switching only a block (e.g. attention)
-            # would leave its projections computing in 16 bits.
-            kept.update((id(sub), sub) for sub in layer._flatten_layers(include_self=True))
-        elif (
-            isinstance(layer, FLOAT32_LAYER_TYPES)
-            or any(layer is output for output in output_layers)
-            or layer.name == "logits"
-        ):
-            kept[id(layer)] = layer
-    for layer in kept.values():
+    output_layers = {id(layer) for layer in _output_layers(model)}
+    kept: list[Float32Layer] = []
+    inside_kept: set[str] = set()  # Paths of the kept layers whose sublayers follow them anyway.
+    for path, layer in layers.items():
+        reason = _float32_reason(layer, path, matcher)
+        parent_kept = any(path.startswith(prefix + "/") for prefix in inside_kept)
+        if reason is None and not parent_kept:
+            continue
         layer.dtype_policy = "float32"
-    return [layer_path(layer) for layer in kept.values()]
+        if parent_kept:
+            continue  # Its float32 parent already hands back the compute dtype.
+        kept.append(Float32Layer(path, reason))
+        inside_kept.add(path)
+        if id(layer) not in output_layers and layer.name != LOGITS_LAYER_NAME:
+            _hand_back(layer, policy)
+    return kept
 
 
-def layer_path(layer: keras.layers.Layer) -> str:
-    """The layer's path, or its name for sublayers without a `build` (e.g. attention's softmax)."""
-    return layer.path or layer.name
+def describe_placement(kept: list[Float32Layer], policy: Policy, max_paths: int = 6) -> str:
+    """One log line: which layers compute in float32 and why, grouped by reason."""
+    if not policy.is_mixed:
+        return f"Every layer computes in {policy.compute_dtype.name}"
+    if not kept:
+        return f"Every layer computes in {policy.compute_dtype.name}; none is kept in float32"
+    groups: dict[str, list[str]] = {}
+    for layer in kept:
+        groups.setdefault(layer.reason, []).append(layer.path)
+    parts = []
+    for reason, paths in groups.items():
+        shown = ", ".join(paths[:max_paths]) + (f", +{len(paths) - max_paths} more"
+                                                if len(paths) > max_paths else "")
+        parts.append(f"{len(paths)} by {reason} ({shown})")
+    return (f"Layers computing in float32, the rest in {policy.compute_dtype.name}: "
+            + "; ".join(parts))
+
+
+def named_layers(model: keras.Model) -> dict[str, keras.layers.Layer]:
+    """Every layer under `model` by its path, parents before their sublayers; a shared layer once."""
+    found: dict[str, keras.layers.Layer] = {}
+    seen: set[int] = set()
+
+    def visit(layer: keras.layers.Layer, prefix: str) -> None:
+        for sublayer in _sublayers(layer):
+            if id(sublayer) in seen or isinstance(sublayer, keras.layers.InputLayer):
+                continue
+            seen.add(id(sublayer))
+            path = prefix + sublayer.name
+            found[path] = sublayer
+            visit(sublayer, path + "/")
+
+    visit(model, "")
+    return found
+
+
+def _sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers `layer` tracks directly. Keras 3 has no public call for this: the one private
+    name this module reads, pinned by test_layer_precision.py::test_keras_sublayer_adapter."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def _float32_reason(layer: keras.layers.Layer, path: str, matcher) -> str | None:
+    """Why `layer` computes in float32, or None when it computes in the policy's dtype."""
+    if matcher is not None and matcher.fullmatch(path):
+        return "precision.float32_layers"
+    if isinstance(layer, FLOAT32_LAYER_TYPES):
+        return f"{type(layer).__name__} (default type)"
+    if layer.name == LOGITS_LAYER_NAME:
+        return "named logits"
+    return None
+
+
+def _hand_back(layer: keras.layers.Layer, policy: Policy) -> None:
+    """Makes `layer` cast its floating outputs to the policy's compute dtype.
+
+    The instance's `call` is replaced (Keras's `__call__` looks it up on the instance), bypassing
+    Keras's attribute tracking, which has nothing to track in a function.
+    """
+    call = layer.call
+
+    @functools.wraps(call)
+    def call_and_cast_back(*args, **kwargs):
+        return policy.cast_to_compute(call(*args, **kwargs))
+
+    object.__setattr__(layer, "call", call_and_cast_back)
+
+
+def _no_match_message(pattern: str, paths: list[str], max_paths: int = 5) -> str:
+    """The one-line error for a `float32_layers` regex that names no layer, with real paths."""
+    close = difflib.get_close_matches(pattern, paths, n=max_paths, cutoff=0.3)
+    examples = close + [path for path in paths if path not in close][: max_paths - len(close)]
+    return (f"config.precision.float32_layers={pattern!r} fully matches no layer path; paths look "
+            f"like: {', '.join(examples)} (a regex over the whole path, e.g. '.*softmax.*')")
 
 
 def _output_layers(model: keras.Model) -> list[keras.layers.Layer]:

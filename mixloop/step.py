@@ -186,20 +186,32 @@ class TrainStep:
         return grads, loss_sum, weight
 
     def _micro_step(self, micro_batch: Batch, variables: list) -> tuple[list, tf.Tensor, tf.Tensor]:
-        """Forward in the compute dtype, loss in float32, scaled backward, unscaled float32 gradients."""
+        """Forward in the compute dtype, loss in float32, scaled backward, unscaled float32 gradients.
+
+        The scale multiplies the micro-batch's *mean* loss (sum / weight), so a token-weighted sum
+        over thousands of tokens reaches the 16-bit backward with a mean's magnitudes; the weight goes
+        back onto the gradients in float32, which keeps the accumulated update exactly token-weighted.
+        """
         with tf.GradientTape() as tape:
             inputs = self.policy.cast_to_compute(self.input_fn(micro_batch))
             outputs = self.policy.cast_to_output(self.model(inputs, training=True))
             loss_sum, weight = as_sum_and_weight(self.loss_fn(outputs, micro_batch))
-            scaled_loss = self.loss_scale.scale_loss(loss_sum)
-        scaled_grads = tape.gradient(
-            scaled_loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
-        return self.loss_scale.unscale(scaled_grads), loss_sum, weight
+            scaled_loss = self.loss_scale.scale_loss(_per_weight(loss_sum, tf.stop_gradient(weight)))
+        scaled_grads = tape.gradient(scaled_loss, variables)
+        # Which variables the loss does not reach is known while tracing. They get zero gradients
+        # here, which change neither the norm nor the finiteness check, and no update (see _apply).
+        self.unused_variables = [grad is None for grad in scaled_grads]
+        grads = self.loss_scale.unscale(
+            [tf.zeros(v.shape, tf.float32) if g is None else g for g, v in zip(scaled_grads, variables)])
+        return [_times_weight(g, weight) for g in grads], loss_sum, weight
 
     def _apply(self, grads: Any) -> tf.Tensor:
         """Applies the (per-replica) gradients to the float32 master weights on every replica."""
-        self.strategy.run(self.optimizer.apply, args=(grads, self.model.trainable_variables))
+        # Variables the loss does not reach are left alone, as `model.fit` leaves them: no update,
+        # no weight decay, no moment decay.
+        used = [not unused for unused in self.unused_variables]
+        self.strategy.run(self.optimizer.apply, args=(
+            _select(grads, used), _select(self.model.trainable_variables, used)))
         return tf.constant(True)
 
     def _roll_back(self, saved_values: list, finite_per_variable: tf.Tensor) -> tf.Tensor:
@@ -218,6 +230,21 @@ class TrainStep:
 def masked_paths(variables: list, mask: tf.Variable) -> list[str]:
     """Paths of the `variables` whose entry in the boolean `mask` is True."""
     return [v.path for v, marked in zip(variables, mask.numpy()) if marked]
+
+
+def _per_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
+    """`value / weight` (0 for a weight of 0); `value` itself for the weight 1 of a plain mean loss."""
+    return value if tf.get_static_value(weight) == 1.0 else tf.math.divide_no_nan(value, weight)
+
+
+def _times_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
+    """`value * weight`; `value` itself for the weight 1 of a plain mean loss."""
+    return value if tf.get_static_value(weight) == 1.0 else value * weight
+
+
+def _select(values: list, keep: list[bool]) -> list:
+    """The `values` whose entry in `keep` is True."""
+    return [value for value, kept in zip(values, keep) if kept]
 
 
 def _count_nonfinite_floats(tree: Any) -> tf.Tensor:

@@ -42,9 +42,11 @@ class Trainer:
                      distribution.describe(self.strategy),
                      "compiled with XLA" if self.jit_compile else "without XLA")
         with self.strategy.scope():
-            self.model = layer_precision.build_model(
-                self.build_model, self.policy, config.precision.float32_layers
-            )
+            with layer_precision.global_dtype_policy(self.policy):
+                self.model = self.build_model()
+            placement = layer_precision.keep_float32_layers(
+                self.model, self.policy, config.precision.float32_layers)
+            logging.info("%s", layer_precision.describe_placement(placement, self.policy))
             self.optimizer = self.build_optimizer()
             self.loss_scale = precision_setup.make_loss_scale(config.precision, self.policy)
             self.train_step = TrainStep(

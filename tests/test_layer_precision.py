@@ -8,7 +8,9 @@ import pytest
 import tensorflow as tf
 
 import mixloop
-from mixloop.layer_precision import global_dtype_policy, keep_float32_layers
+from mixloop.config import ConfigError
+from mixloop.layer_precision import (FLOAT32_LAYER_TYPES, _sublayers, describe_placement,
+                                     global_dtype_policy, keep_float32_layers, named_layers)
 from mixloop.policy import Policy
 from mixloop.step import TrainStep
 
@@ -32,7 +34,7 @@ def transformer():
 
 
 def convnet():
-    # A Sequential model whose output layer is not called "logits": kept in float32 as the output.
+    # A Sequential model whose output layer is not called "logits": it computes in the compute dtype.
     return keras.Sequential([
         keras.Input((6, 6, 2)),
         keras.layers.Conv2D(4, 3, activation="relu", name="conv_body"),
@@ -104,8 +106,9 @@ def test_transformer_body_in_compute_dtype_and_sensitive_layers_in_float32(polic
     for scope in ("body", "pre_norm_proj", "attention_softmax", "attention_fused"):
         assert dtypes_of(ops_in(ops, scope, MATRIX_OPS)) == {compute}, scope
     assert dtypes_of(ops_in(ops, "body")) == {compute}
-    # Embedding, norm and logits run in float32 forward and backward, and so do both attention
-    # softmaxes: the explicit sublayer (kept by type, its scope is `softmax`) and the fused one.
+    # Embedding and norm run in float32 forward and backward by Keras's own design (a gather from the
+    # float32 table; statistics in float32), logits by name, and so do both attention softmaxes: the
+    # explicit sublayer (kept by type, its scope is `softmax`) and the fused one (Keras's own).
     for scope in ("embed", "norm", "logits", "softmax"):
         assert dtypes_of(ops_in(ops, scope)) == {"float32"}, scope
     assert dtypes_of(ops_in(ops, "attention_softmax", ("Softmax",))) == {"float32"}
@@ -121,7 +124,8 @@ def test_conv_body_in_compute_dtype(policy_name):
     conv_ops = ops_in(ops, "conv_body", MATRIX_OPS)
     assert {t for t, _, _ in conv_ops} == {"Conv2D", "Conv2DBackpropFilter"}
     assert dtypes_of(conv_ops) == {COMPUTE_DTYPES[policy_name]}
-    assert dtypes_of(ops_in(ops, "classifier")) == {"float32"}
+    # Being the model's output is no reason for float32: the step casts outputs to float32 after it.
+    assert dtypes_of(ops_in(ops, "classifier", MATRIX_OPS)) == {COMPUTE_DTYPES[policy_name]}
 
 
 def test_user_regex_forces_a_layer_and_a_whole_block_to_float32():
@@ -134,19 +138,136 @@ def test_user_regex_forces_a_layer_and_a_whole_block_to_float32():
         assert dtypes_of(ops_in(ops, scope, MATRIX_OPS)) == {"float16"}, scope
 
 
-def test_keep_float32_layers_reports_the_layers_it_switched():
+def test_keep_float32_layers_reports_the_layers_it_switched_and_why():
     policy = Policy.from_string("mixed_float16")
     with global_dtype_policy(policy):
         model = transformer()
-    paths = keep_float32_layers(model, policy, r".*(norm|logits).*")
+    kept = keep_float32_layers(model, policy, r".*(norm|proj).*")
 
-    layers = list(model._flatten_layers(include_self=False))
-    float32_layers = {layer.name for layer in layers if layer.compute_dtype == "float32"}
-    softmax_names = {layer.name for layer in layers if isinstance(layer, keras.layers.Softmax)}
-    assert len(softmax_names) == 2
-    assert float32_layers == {"embed", "norm", "pre_norm_proj", "logits"} | softmax_names
-    assert sorted(paths) == sorted(float32_layers)  # top-level paths equal names; softmaxes have no path
+    reasons = {without_counter(layer.path): layer.reason for layer in kept}
+    assert reasons == {
+        "norm": "precision.float32_layers", "pre_norm_proj": "precision.float32_layers",
+        "attention_softmax/softmax": "Softmax (default type)",
+        "attention_fused/softmax": "Softmax (default type)", "logits": "named logits"}
+    float32_layers = {path for path, layer in named_layers(model).items() if layer.compute_dtype == "float32"}
+    assert float32_layers == {layer.path for layer in kept}
     assert model.get_layer("body").compute_dtype == "float16"
+    assert model.get_layer("embed").compute_dtype == "float16"  # Keras gathers float32 rows itself
+    line = without_counter(describe_placement(kept, policy))
+    assert line == ("Layers computing in float32, the rest in float16: 2 by precision.float32_layers "
+                    "(norm, pre_norm_proj); 2 by Softmax (default type) (attention_softmax/softmax, "
+                    "attention_fused/softmax); 1 by named logits (logits)")
+
+
+def without_counter(text):
+    """Keras numbers auto-named layers in build order (softmax, softmax_1, ...) across the process."""
+    return re.sub(r"(softmax)_\d+", r"\1", text)
+
+
+def nested_backbone_model():
+    """A functional backbone nested in a model, as keras-hub backbones are, with a post-LN block."""
+    inputs = keras.Input((SEQ_LEN, WIDTH))
+    x = keras.layers.Dense(WIDTH, name="proj")(inputs)
+    normed = keras.layers.LayerNormalization(name="norm")(x)
+    x = normed + keras.layers.Dense(WIDTH, name="ffn")(normed)  # plain arithmetic after the norm
+    backbone = keras.Model(inputs, x, name="backbone")
+    outer_inputs = keras.Input((SEQ_LEN, WIDTH))
+    hidden = backbone(outer_inputs)
+    return keras.Model(outer_inputs, {"logits": keras.layers.Dense(NUM_CLASSES, name="logits")(hidden),
+                                      "hidden": keras.layers.Dense(WIDTH, name="hidden")(hidden)})
+
+
+@pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])
+def test_a_float32_layer_hands_the_compute_dtype_back_and_outputs_leave_in_float32(policy_name):
+    compute = COMPUTE_DTYPES[policy_name]
+    policy = Policy.from_string(policy_name)
+    model = mixloop.build_model(nested_backbone_model, policy, float32_layers="backbone/norm")
+    x = tf.ones((BATCH_SIZE, SEQ_LEN, WIDTH))
+    outputs = model(policy.cast_to_compute(x))  # the post-LN `normed + ffn(normed)` adds one dtype
+
+    assert model.get_layer("backbone").get_layer("norm").compute_dtype == "float32"
+    assert outputs["logits"].dtype == "float32"  # kept by name, and a model output: not handed back
+    # A dict output does not force its layer to float32; the step casts every output afterwards.
+    assert outputs["hidden"].dtype == compute
+    assert model.get_layer("hidden").compute_dtype == compute
+    assert model.get_layer("backbone").get_layer("ffn").compute_dtype == compute
+
+
+def test_paths_of_nested_models_include_the_nested_model_and_attention_internals():
+    with global_dtype_policy(Policy.from_string("mixed_float16")):
+        paths = list(named_layers(nested_backbone_model()))
+        attention_paths = [without_counter(path) for path in named_layers(transformer())]
+    assert paths[:4] == ["backbone", "backbone/proj", "backbone/norm", "backbone/ffn"]
+    assert "attention_softmax/softmax" in attention_paths
+    assert "attention_softmax/query" in attention_paths
+
+
+def test_keras_sublayer_adapter():
+    """Fails loudly if Keras renames what `_sublayers` reads: MHA's softmax must be found."""
+    attention = keras.layers.MultiHeadAttention(2, 4, dropout=0.1)
+    attention(tf.ones((1, 3, 8)), tf.ones((1, 3, 8)))
+    sublayers = _sublayers(attention)
+    assert any(isinstance(layer, keras.layers.Softmax) for layer in sublayers)
+    assert not any(layer is attention for layer in sublayers)
+
+
+def test_a_regex_that_matches_no_layer_is_an_error_naming_real_paths():
+    with pytest.raises(ConfigError) as raised:
+        mixloop.build_model(nested_backbone_model, Policy.from_string("mixed_float16"),
+                            float32_layers="backbone_typo/norm")
+    message = str(raised.value)
+    assert message.startswith("config.precision.float32_layers='backbone_typo/norm' fully matches no "
+                              "layer path; paths look like: backbone/norm, ")
+    assert "\n" not in message and "'.*softmax.*'" in message
+    # A regex is checked under float32 too: a typo is a typo whatever the policy.
+    with pytest.raises(ConfigError):
+        mixloop.build_model(nested_backbone_model, Policy.from_string("float32"), float32_layers="nope")
+
+
+TYPES_16_BITS_DO_NOT_BREAK = {
+    "LayerNormalization": lambda: keras.layers.LayerNormalization(),
+    "BatchNormalization": lambda: keras.layers.BatchNormalization(),
+    "GroupNormalization": lambda: keras.layers.GroupNormalization(groups=8),
+    "RMSNormalization": lambda: keras.layers.RMSNormalization(),
+}
+TYPES_16_BITS_BREAK = {
+    "Softmax": lambda: keras.layers.Softmax(),
+    "UnitNormalization": lambda: keras.layers.UnitNormalization(),
+}
+
+
+def error_against_float32(make_layer, name, policy_name):
+    """max |16-bit layer - float32 layer| on the same 16-bit input, in units of the largest rounding
+    error of the float32 result to 16 bits: about 1 when the layer computes in float32 inside."""
+    compute = COMPUTE_DTYPES[policy_name]
+    rng = np.random.default_rng(0)
+    scale = 8.0 if name == "Softmax" else 300.0  # scores; activations large enough to overflow x**2
+    x = tf.cast(tf.constant(rng.normal(size=(4, 8, 512)) * scale, tf.float32), compute)
+    results = []
+    for policy in ("float32", policy_name):
+        with global_dtype_policy(Policy.from_string(policy)):
+            layer = make_layer()
+        # The float32 layer reads the same values in float32: some Keras ops return their input dtype.
+        inputs = Policy.from_string(policy).cast_to_compute(x)
+        results.append(tf.cast(layer(inputs, training=True), tf.float32).numpy())
+    reference, result = results
+    rounding = np.max(np.abs(tf.cast(tf.cast(reference, compute), tf.float32).numpy() - reference))
+    return np.max(np.abs(result - reference)) / rounding
+
+
+@pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])
+def test_default_float32_types_are_the_ones_16_bits_break(policy_name):
+    """The measurement behind FLOAT32_LAYER_TYPES (WORKSPACE.md): Keras's Layer-, Batch-, Group- and
+    RMSNormalization already compute in float32 inside (error: one rounding of the result), while
+    Softmax and UnitNormalization in float16 err by several roundings (measured 3.3x; UnitNormalization
+    ~3000x, its sum of squares overflowing). TensorFlow's CPU kernels do bfloat16 softmax in float32
+    (1.0x); one list serves both dtypes and GPUs, whose kernels differ."""
+    assert set(TYPES_16_BITS_BREAK) == {t.__name__ for t in FLOAT32_LAYER_TYPES}
+    for name, make_layer in TYPES_16_BITS_DO_NOT_BREAK.items():
+        assert error_against_float32(make_layer, name, policy_name) <= 1.01, name
+    if policy_name == "mixed_float16":  # bfloat16 on this CPU: 1.0 and 1.4; one list serves both
+        for name, make_layer in TYPES_16_BITS_BREAK.items():
+            assert error_against_float32(make_layer, name, policy_name) > 3.0, name
 
 
 @pytest.mark.parametrize("spec", ["float32", "p=f16,c=f16,o=f16"])
