@@ -106,8 +106,6 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
     last_step = num_steps if num_batches is None else min(num_steps, num_batches)
     writer = reporting.MetricWriter(trainer.workdir, enabled=trainer.is_chief)
     step = int(trainer.global_step.numpy())
-    if not trainer.iterator_in_checkpoint:
-        trainer.train_iterator = trainer.make_train_iterator(step)
     if step >= num_steps:
         logging.info("Already trained to step %d of %d; nothing to do.", step, num_steps)
     metrics: dict[str, float] = {}

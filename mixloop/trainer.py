@@ -68,11 +68,12 @@ class Trainer:
             self.first_nonfinite = tf.Variable(tf.zeros_like(self.train_step.nonfinite_gradients),
                                                trainable=False, name="first_nonfinite")
         self._train_data, self.eval_data = self.build_datasets()
-        # A plain tf.data iterator is checkpointed itself. TensorFlow cannot checkpoint a
-        # distributed one, so other strategies fast-forward the data by the restored step.
-        self.train_iterator = (self.make_train_iterator(0)
-                               if self.strategy.num_replicas_in_sync == 1 else None)
-        self.iterator_in_checkpoint = isinstance(self.train_iterator, tf.data.Iterator)
+        # The default strategy's plain tf.data iterator is checkpointed itself. TensorFlow cannot
+        # checkpoint a distributed one, so other strategies make theirs on first use, fast-forwarded
+        # by the restored step (`train_iterator`).
+        self._train_iterator = (self.make_train_iterator(0)
+                                if self.strategy is tf.distribute.get_strategy() else None)
+        self.iterator_in_checkpoint = isinstance(self._train_iterator, tf.data.Iterator)
         self.logged_first_skip = False
         # What a checkpoint holds. Variables go in as lists: Keras 3 does not track every variable
         # (such as dropout seed states) through the model object.
@@ -83,7 +84,7 @@ class Trainer:
             global_step=self.global_step,
             skipped_total=self.skipped_total,
             consecutive_skips=self.consecutive_skips,
-            **({"train_iterator": self.train_iterator} if self.iterator_in_checkpoint else {}),
+            **({"train_iterator": self._train_iterator} if self.iterator_in_checkpoint else {}),
         )
         self.checkpoints = checkpointing.make_manager(
             self._checkpoint_workdir(), config.checkpoint.max_to_keep, **self.checkpointed
@@ -216,6 +217,18 @@ class Trainer:
         export_model.save(path)
         logging.info("Exported the float32 model to %s", path)
         return path
+
+    @property
+    def train_iterator(self):
+        """The run's one iterator over the train data, made on first use `global_step` batches in
+        unless it came from the checkpoint.
+
+        A run makes exactly one: every new iterator over a dataset that reshuffles each iteration
+        starts another order, which would make the data depend on the strategy.
+        """
+        if self._train_iterator is None:
+            self._train_iterator = self.make_train_iterator(int(self.global_step.numpy()))
+        return self._train_iterator
 
     # ----- Private helpers. -----
 
