@@ -74,14 +74,20 @@ class Interval:
         return int(skipped_total) - self.start_skipped
 
     def summary(self, step: int, skipped_total: int, batch_size: int) -> dict[str, float]:
-        """Mean loss and gradient norm, skipped counts and speed over the interval."""
+        """Mean loss and gradient norm, skipped counts and speed over the interval.
+
+        The gradient norm is the mean over applied updates; an interval in which every update was
+        skipped has none, and leaves it out rather than write a NaN into TensorBoard.
+        """
         steps_per_sec = (step - self.start_step) / max(self.seconds, 1e-9)
         t = self.totals
-        return {
+        summary = {
             "loss": t["loss_sum"] / t["num_finite_loss"] if t.get("num_finite_loss") else math.nan,
-            "grad_norm": t["grad_norm_sum"] / t["num_applied"] if t.get("num_applied") else math.nan,
             "skipped_steps": float(self.skipped(skipped_total)),
             "skipped_total": float(skipped_total),
             "steps_per_sec": steps_per_sec,
             "examples_per_sec": steps_per_sec * batch_size,
         }
+        if t.get("num_applied"):
+            summary["grad_norm"] = t["grad_norm_sum"] / t["num_applied"]
+        return summary
