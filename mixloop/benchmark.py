@@ -118,7 +118,7 @@ def keras_fit_variant(trainer, data: tf.data.Dataset, *, tuned: bool) -> Variant
         raise UserError("the keras-fit variants need train batches of (inputs, targets), "
                         f"but build_datasets() gives {data.element_spec}")
     config, policy = trainer.config, trainer.policy
-    with layer_precision.global_dtype_policy(policy):
+    with layer_precision.building_under(policy):
         model = trainer.build_model()
     optimizer = _with_clipping(trainer.build_optimizer(), config.train.clip_global_norm)
     float16 = policy.compute_dtype == tf.float16

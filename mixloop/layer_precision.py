@@ -6,9 +6,10 @@ compute (its variables are float32 already). We set the per-layer policy after c
 than through a `DTypePolicyMap` because the research code builds the model and must not have to thread
 a dtype argument through every layer.
 
-A layer kept in float32 computes in float32 and hands the compute dtype back to what follows it: its
-floating outputs are cast back, so plain arithmetic after it (`x + residual` after a post-LN block's
-LayerNormalization) sees one dtype. Only the model's own outputs leave in float32.
+A layer kept in float32 computes in float32, and what follows it computes in the compute dtype again:
+inside a subclassed layer its outputs are cast back, so plain arithmetic after it (`x + residual`
+after a post-LN block's LayerNormalization) sees one dtype; in a functional model the next layer
+casts its inputs itself. The step casts the model's outputs to float32.
 
 Layers are named by their *path*: the names from the model's own layers down to the layer, joined by
 `/`, e.g. `bert_backbone/transformer_layer_0/self_attention/softmax` for a backbone nested in a model.
@@ -24,6 +25,7 @@ import re
 from typing import Callable, Iterator
 
 import keras
+from keras.src.backend.common import global_state
 
 from mixloop.config import ConfigError
 from mixloop.policy import Policy
@@ -49,14 +51,23 @@ class Float32Layer:
 
 
 @contextlib.contextmanager
-def global_dtype_policy(policy: Policy) -> Iterator[None]:
-    """Sets Keras's global dtype policy to `policy` for the layers built inside the block."""
-    previous = keras.config.dtype_policy()
+def building_under(policy: Policy) -> Iterator[None]:
+    """Builds the layers made inside the block under `policy`, named as in a fresh process.
+
+    Keras numbers unnamed layers (`softmax_3`, `bert_backbone_1`) by how many of their kind the
+    process has built before; counting afresh gives a model the same layer paths however often it
+    is built (the Trainer, its export, the doctor's float32 twin, a test), so a regex over paths
+    aims at the same layers every time.
+    """
+    previous_policy = keras.config.dtype_policy()
+    previous_names = _name_counters()
     keras.config.set_dtype_policy(policy.keras_name)
+    _set_name_counters(None)
     try:
         yield
     finally:
-        keras.config.set_dtype_policy(previous)
+        keras.config.set_dtype_policy(previous_policy)
+        _set_name_counters(previous_names)
 
 
 def build_model(
@@ -72,7 +83,7 @@ def build_model(
     Raises:
       ConfigError: when `float32_layers` matches no layer path.
     """
-    with global_dtype_policy(policy):
+    with building_under(policy):
         model = build_fn()
     keep_float32_layers(model, policy, float32_layers)
     return model
@@ -82,10 +93,14 @@ def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -
     """Switches the sensitive layers of `model` to float32 compute; returns them with the reason.
 
     Sensitive layers are those of `FLOAT32_LAYER_TYPES`, any layer named `logits`, and any layer
-    whose path fully matches `pattern`, together with all of that layer's sublayers. Each switched
-    layer not inside another switched one casts its floating outputs back to the compute dtype,
-    unless they are outputs of the model. Does nothing unless the policy computes in a lower
-    precision than its float32 parameters, but checks `pattern` under every policy.
+    whose path fully matches `pattern`, together with all of that layer's sublayers. A switched
+    layer called by a subclassed layer's `call` (attention's softmax, the LayerNormalization of a
+    keras-hub block) casts its floating outputs back to the compute dtype, since plain TensorFlow
+    arithmetic there cannot mix dtypes. One in a functional or sequential model passes float32 on:
+    the layers after it cast their inputs themselves and Keras ops promote, so a float32 neighbour
+    (a layer the doctor moved together with it) gets values 16 bits could not hold. Does nothing
+    unless the policy computes in a lower precision than its float32 parameters, but checks
+    `pattern` under every policy.
 
     Raises:
       ConfigError: when `pattern` is set and fully matches no layer path (naming some real paths).
@@ -96,7 +111,6 @@ def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -
         raise ConfigError(_no_match_message(pattern, list(layers)))
     if not policy.is_mixed or policy.param_dtype.name != "float32":
         return []
-    output_layers = {id(layer) for layer in _output_layers(model)}
     kept: list[Float32Layer] = []
     inside_kept: set[str] = set()  # Paths of the kept layers whose sublayers follow them anyway.
     for path, layer in layers.items():
@@ -109,7 +123,8 @@ def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -
             continue  # Its float32 parent already hands back the compute dtype.
         kept.append(Float32Layer(path, reason))
         inside_kept.add(path)
-        if id(layer) not in output_layers and layer.name != LOGITS_LAYER_NAME:
+        parent = layers.get(path.rpartition("/")[0], model)
+        if not _output_layers(parent):
             _hand_back(layer, policy)
     return kept
 
@@ -150,12 +165,6 @@ def named_layers(model: keras.Model) -> dict[str, keras.layers.Layer]:
     return found
 
 
-def _sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
-    """The layers `layer` tracks directly. Keras 3 has no public call for this: the one private
-    name this module reads, pinned by test_layer_precision.py::test_keras_sublayer_adapter."""
-    return list(layer._flatten_layers(include_self=False, recursive=False))
-
-
 def _float32_reason(layer: keras.layers.Layer, path: str, matcher) -> str | None:
     """Why `layer` computes in float32, or None when it computes in the policy's dtype."""
     if matcher is not None and matcher.fullmatch(path):
@@ -190,10 +199,26 @@ def _no_match_message(pattern: str, paths: list[str], max_paths: int = 5) -> str
             f"like: {', '.join(examples)} (a regex over the whole path, e.g. '.*softmax.*')")
 
 
-def _output_layers(model: keras.Model) -> list[keras.layers.Layer]:
-    """The layers that produce a functional or sequential model's outputs (none for subclassed)."""
-    try:
-        outputs = model.outputs
-    except AttributeError:
-        return []
+# ----- The Keras private names this module reads, each pinned by a test in test_layer_precision.py
+# (test_keras_private_names) that fails loudly when Keras changes it. -----
+
+
+def _sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers `layer` tracks directly (Keras 3 has no public call for this)."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def _output_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers that produce a functional or sequential model's outputs (none for the rest)."""
+    outputs = getattr(layer, "outputs", None) if isinstance(layer, keras.Model) else None
     return [tensor._keras_history.operation for tensor in keras.tree.flatten(outputs or [])]
+
+
+def _name_counters():
+    """Keras's per-thread counters behind the numbers of unnamed layers."""
+    return global_state.get_global_attribute("object_name_uids")
+
+
+def _set_name_counters(counters) -> None:
+    """Replaces those counters (None: Keras starts new ones)."""
+    global_state.set_global_attribute("object_name_uids", counters)

@@ -42,7 +42,7 @@ class Trainer:
                      distribution.describe(self.strategy),
                      "compiled with XLA" if self.jit_compile else "without XLA")
         with self.strategy.scope():
-            with layer_precision.global_dtype_policy(self.policy):
+            with layer_precision.building_under(self.policy):
                 self.model = self.build_model()
             placement = layer_precision.keep_float32_layers(
                 self.model, self.policy, config.precision.float32_layers)
@@ -210,7 +210,7 @@ class Trainer:
 
     def export(self) -> str:
         """Saves the model in float32 as `workdir/model.keras` for inference; returns the path."""
-        with layer_precision.global_dtype_policy(precision_setup.Policy.from_string("float32")):
+        with layer_precision.building_under(precision_setup.Policy.from_string("float32")):
             export_model = self.build_model()
         export_model.set_weights(self.model.get_weights())
         path = os.path.join(self.workdir, "model.keras")

@@ -9,8 +9,8 @@ import tensorflow as tf
 
 import mixloop
 from mixloop.config import ConfigError
-from mixloop.layer_precision import (FLOAT32_LAYER_TYPES, _sublayers, describe_placement,
-                                     global_dtype_policy, keep_float32_layers, named_layers)
+from mixloop.layer_precision import (FLOAT32_LAYER_TYPES, _output_layers, _sublayers, describe_placement,
+                                     building_under, keep_float32_layers, named_layers)
 from mixloop.policy import Policy
 from mixloop.step import TrainStep
 
@@ -140,7 +140,7 @@ def test_user_regex_forces_a_layer_and_a_whole_block_to_float32():
 
 def test_keep_float32_layers_reports_the_layers_it_switched_and_why():
     policy = Policy.from_string("mixed_float16")
-    with global_dtype_policy(policy):
+    with building_under(policy):
         model = transformer()
     kept = keep_float32_layers(model, policy, r".*(norm|proj).*")
 
@@ -194,7 +194,7 @@ def test_a_float32_layer_hands_the_compute_dtype_back_and_outputs_leave_in_float
 
 
 def test_paths_of_nested_models_include_the_nested_model_and_attention_internals():
-    with global_dtype_policy(Policy.from_string("mixed_float16")):
+    with building_under(Policy.from_string("mixed_float16")):
         paths = list(named_layers(nested_backbone_model()))
         attention_paths = [without_counter(path) for path in named_layers(transformer())]
     assert paths[:4] == ["backbone", "backbone/proj", "backbone/norm", "backbone/ffn"]
@@ -202,13 +202,65 @@ def test_paths_of_nested_models_include_the_nested_model_and_attention_internals
     assert "attention_softmax/query" in attention_paths
 
 
-def test_keras_sublayer_adapter():
-    """Fails loudly if Keras renames what `_sublayers` reads: MHA's softmax must be found."""
+def test_keras_private_names():
+    """Fails loudly if Keras changes what layer_precision's adapter reads: MHA's softmax must be
+    among its direct sublayers, a functional model's output layers found, and a layer built inside
+    `building_under` numbered afresh."""
     attention = keras.layers.MultiHeadAttention(2, 4, dropout=0.1)
     attention(tf.ones((1, 3, 8)), tf.ones((1, 3, 8)))
     sublayers = _sublayers(attention)
     assert any(isinstance(layer, keras.layers.Softmax) for layer in sublayers)
     assert not any(layer is attention for layer in sublayers)
+    model = nested_backbone_model()
+    assert sorted(layer.name for layer in _output_layers(model)) == ["hidden", "logits"]
+    assert _output_layers(attention) == []
+    keras.layers.Softmax()  # some earlier softmax in the process
+    names = []
+    for _ in range(2):
+        with building_under(Policy.from_string("float32")):
+            names.append(keras.layers.Softmax().name)
+    assert names == ["softmax", "softmax"]
+
+
+class PostNormBlock(keras.layers.Layer):
+    """A subclassed post-LN block, as keras-hub writes them: plain arithmetic after the norm."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH, name="ffn")
+        self.norm = keras.layers.LayerNormalization(name="norm")
+
+    def call(self, x):
+        normed = self.norm(x)
+        return normed + self.dense(normed)
+
+
+def post_norm_model():
+    inputs = keras.Input((SEQ_LEN, WIDTH))
+    x = PostNormBlock(name="block")(keras.layers.Dense(WIDTH, name="proj")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(NUM_CLASSES, name="logits")(x))
+
+
+@pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])
+def test_a_float32_layer_inside_a_subclassed_block_hands_the_compute_dtype_back(policy_name):
+    policy = Policy.from_string(policy_name)
+    model = mixloop.build_model(post_norm_model, policy, float32_layers="block/norm")
+    norm = named_layers(model)["block/norm"]
+    x = policy.cast_to_compute(tf.ones((BATCH_SIZE, SEQ_LEN, WIDTH)))
+    assert norm.compute_dtype == "float32"
+    assert norm(x).dtype == COMPUTE_DTYPES[policy_name]  # cast back: `normed + ffn(normed)` works
+    assert model(x).dtype == "float32"  # the logits layer, a model output, keeps its float32
+
+
+def test_a_float32_layer_in_a_functional_model_passes_float32_on():
+    """So a float32 neighbour reads values 16 bits could not hold (the doctor's hot-layer cure)."""
+    def build():
+        inputs = keras.Input((4,))
+        hot = keras.layers.Lambda(lambda x: x * 1e5, name="hot")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(1, name="squash")(hot))
+
+    model = mixloop.build_model(build, Policy.from_string("mixed_float16"), float32_layers="hot|squash")
+    assert np.isfinite(model(tf.ones((2, 4))).numpy()).all()
 
 
 def test_a_regex_that_matches_no_layer_is_an_error_naming_real_paths():
@@ -245,7 +297,7 @@ def error_against_float32(make_layer, name, policy_name):
     x = tf.cast(tf.constant(rng.normal(size=(4, 8, 512)) * scale, tf.float32), compute)
     results = []
     for policy in ("float32", policy_name):
-        with global_dtype_policy(Policy.from_string(policy)):
+        with building_under(Policy.from_string(policy)):
             layer = make_layer()
         # The float32 layer reads the same values in float32: some Keras ops return their input dtype.
         inputs = Policy.from_string(policy).cast_to_compute(x)
@@ -273,7 +325,7 @@ def test_default_float32_types_are_the_ones_16_bits_break(policy_name):
 @pytest.mark.parametrize("spec", ["float32", "p=f16,c=f16,o=f16"])
 def test_policies_that_are_not_mixed_keep_nothing(spec):
     policy = Policy.from_string(spec)
-    with global_dtype_policy(policy):
+    with building_under(policy):
         model = transformer()
     assert keep_float32_layers(model, policy, ".*") == []
     assert {layer.compute_dtype for layer in model._flatten_layers(include_self=False)} == {policy.compute_dtype.name}
