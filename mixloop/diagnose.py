@@ -16,6 +16,7 @@ import math
 import os
 import shlex
 import sys
+import textwrap
 from typing import Any, Optional
 
 import numpy as np
@@ -24,7 +25,8 @@ from absl import flags, logging
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 
 from mixloop import cli
-from mixloop.precision_report import MARGIN_BITS, DtypeRange, PrecisionReport, diagnose
+from mixloop.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, NOISE_SCALE, DtypeRange,
+                                     PrecisionReport, diagnose)
 
 _STEPS = flags.DEFINE_integer("steps", 4, "Train batches to diagnose.", lower_bound=1)
 _OUTPUT = flags.DEFINE_string(
@@ -57,10 +59,11 @@ def diagnose_experiment(config, workdir: str, num_batches: int,
 
 def format_report(report: PrecisionReport) -> str:
     """The report as console text: a header, the layer and variable tables, problems and advice."""
-    scale = _scale_text(report.loss_scale)
+    scale, comparison = _scale_text(report.loss_scale), _scale_text(report.comparison_scale)
     lines = [
         f"Precision report: {report.trainer} at step {report.step}, policy {report.policy}",
-        f"{report.num_batches} batches ({report.num_micro_batches} micro-batches), loss scale {scale}",
+        f"{report.num_batches} batches ({report.num_micro_batches} micro-batches), loss scale {scale}, "
+        f"mixed pass at loss scale {comparison}",
         "",
         "Layers, in call order. max|x|, max|y|: largest input and output magnitudes in float32.",
         "headroom: doublings left below the compute dtype's largest value. inf: outputs that were inf",
@@ -76,14 +79,16 @@ def format_report(report: PrecisionReport) -> str:
     lines += [
         "",
         "Gradients, as fractions of each variable's nonzero float32 values. zero, subnormal, inf: the",
-        f"float32 gradient times {scale}, cast to the dtype it is computed in. mixed zero: zero in",
-        "the mixed pass. rel.err: |mixed gradient - float32 gradient| / |float32 gradient|.",
+        f"float32 gradient times {scale}, cast to the dtype it is computed in.",
+        *_comparison_legend(report),
     ]
     lines += _table(
-        ("variable", "dtype", "max|g|", "min|g|", "zero", "subnormal", "inf", "mixed zero", "rel.err"),
+        ("variable", "dtype", "max|g|", "min|g|", "zero", "subnormal", "inf", "mixed zero", "abs.err",
+         "rel.err"),
         [(v.path, v.dtype, _number(v.max_abs), _number(v.min_abs), _percent(v.zero_fraction),
           _percent(v.subnormal_fraction), _percent(v.overflow_fraction), _percent(v.mixed_zero_fraction),
-          _number(v.relative_error)) for v in report.variables],
+          _number(v.absolute_error), "-" if v.relative_error is None else _number(v.relative_error))
+         for v in report.variables],
     )
     lines += [
         "",
@@ -95,6 +100,24 @@ def format_report(report: PrecisionReport) -> str:
     ]
     lines += [f"  - {problem}" for problem in report.advice.problems] or ["  none: every value fits."]
     return "\n".join(lines + ["", "Advice:"] + _advice_lines(report))
+
+
+def _comparison_legend(report: PrecisionReport) -> list[str]:
+    """What the mixed-pass columns compare, at which loss scale and why that one, wrapped."""
+    comparison, dtype = _scale_text(report.comparison_scale), report.compute_dtype
+    if report.comparison_scale < report.loss_scale:
+        why = (f"the largest power of two below {_scale_text(report.loss_scale)} at which {dtype} holds "
+               f"every 16-bit gradient with {COMPARISON_MARGIN_BITS} doubling to spare")
+    else:
+        why = "the loss scale examined"
+    eps = DtypeRange.of(dtype).eps
+    return textwrap.wrap(
+        f"mixed zero, abs.err, rel.err: the mixed pass at loss scale {comparison}, {why}. mixed zero: "
+        "zero in the mixed pass. abs.err: ||mixed gradient - float32 gradient||, over the variable's "
+        "values in every micro-batch; inf where the mixed gradient was inf or NaN. rel.err: abs.err / "
+        "||float32 gradient||, or - where the float32 gradient is zero or its own rounding noise: "
+        f"recomputed at loss scale {NOISE_SCALE:g} it moves by at least {dtype}'s eps, "
+        f"2^{math.log2(eps):.0f}, of its norm.", width=100)
 
 
 def _advice_lines(report: PrecisionReport) -> list[str]:

@@ -1,27 +1,45 @@
 """The precision doctor's analysis: which layer's values leave a 16-bit range, and what to change.
 
-`diagnose(trainer, num_batches)` runs the same micro-batches forward and backward twice from the same
-weights: through a float32 twin of the model, and through the trainer's model in its policy. The
-float32 pass gives the true range of every layer's inputs, outputs and output gradients and of every
-variable's gradient; the mixed pass shows where values became inf or NaN and how far each gradient
-drifts from float32's. The advice keeps `MARGIN_BITS` doublings free for batches and updates the
-diagnosis did not see::
+`diagnose(trainer, num_batches)` runs the same micro-batches forward and backward from the same
+weights: through a float32 twin of the model, and through the trainer's model in its policy (the
+mixed pass). The float32 pass gives the true range of every layer's inputs, outputs and output
+gradients and of every variable's gradient, examined at the loss scale (what flushes to zero or
+overflows once scaled); the mixed pass shows where values became inf or NaN and how far each gradient
+drifts from float32's. The mixed pass runs at a comparison scale its gradients survive, so that an
+overflow at the loss scale, reported as a problem of its own, does not turn every drift into inf. The
+float32 pass runs a second time at loss scale NOISE_SCALE to measure its own rounding noise. With
+s(dtype, g, m) = 2 ** floor(log2(dtype's largest finite value) - m - log2(g)), the largest power of
+two at which a 16-bit dtype holds a gradient g with m doublings to spare::
+
+    comparison scale  = min(loss scale, s(compute dtype, largest float32 gradient of a variable or
+                                          layer output computed in 16 bits, COMPARISON_MARGIN_BITS))
+    abs.err           = ||g16 - g32||, the norm over all of a variable's values in every micro-batch
+                        (g16: the mixed pass's unscaled gradient, g32: the float32 pass's)
+    rel.err           = abs.err / ||g32||, or None when g32 is zero or lost in its own rounding noise:
+                        when ||g32' - g32|| >= eps(compute dtype) * ||g32||, g32' being the float32
+                        gradient recomputed at NOISE_SCALE (a gradient that is zero in exact
+                        arithmetic, like an attention key's bias, comes out as float32 rounding
+                        noise, and its 16-bit counterpart as noise thousands of times larger)
+
+The advice keeps `MARGIN_BITS` doublings free for batches and updates the diagnosis did not see::
 
     keep in float32   = 16-bit layers whose float32 inputs or outputs come within MARGIN_BITS doublings
                         of their compute dtype's largest finite value, or that turn finite inputs into
                         inf or NaN
-    initial scale     = 2 ** floor(log2(float16's largest finite value) - MARGIN_BITS
-                                   - log2(largest gradient left in float16 by that advice))
+    initial scale     = s(float16, largest gradient left in float16 by that advice, MARGIN_BITS)
     bfloat16 is safe  = every 16-bit value stays MARGIN_BITS doublings inside bfloat16's range, and at
                         most UNDERFLOW_TOLERANCE of the gradients flush to zero without a loss scale
 
-Gradients are those of one micro-batch's loss sum, as the train step differentiates it. Layers are
+Gradients are those of one micro-batch's loss per weight (its mean), which is what the train step
+scales and differentiates; a variable the loss does not reach has a zero gradient. Layers are
 observed by wrapping each layer's `call` while the diagnosis runs, which works alike for functional,
 sequential and subclassed models and reaches sublayers (attention projections). Limits: values made
 between layers by plain ops (a residual add) appear only as the next layer's input; Keras's dropout
-and noise layers run in inference mode in both passes so that their masks cannot differ, but other
-random layers draw differently in each pass and show up as gradient error; a variable read by several
-layers (tied embeddings) is counted in the compute dtype of the layer that owns it.
+and noise layers run in inference mode in every pass so that their masks cannot differ, but other
+random layers draw differently in each pass, so the float32 gradients they reach disagree with their
+repeat and get no rel.err; a variable read by several layers (tied embeddings) is counted in the
+compute dtype of the layer that owns it. Every micro-batch's float32 gradients are held until the
+mixed pass, so memory grows with num_batches.
 """
 
 from __future__ import annotations
@@ -41,15 +59,18 @@ import tensorflow as tf
 
 from mixloop.config import parse_loss_scale
 from mixloop.errors import UserError
-from mixloop.layer_precision import layer_path
-from mixloop.layer_precision import build_model
+from mixloop.layer_precision import build_model, named_layers
 from mixloop.policy import Policy
-from mixloop.step import as_sum_and_weight, split_micro_batches
+from mixloop.step import as_sum_and_weight, per_weight, split_micro_batches
 
 MARGIN_BITS = 3  # Doublings of headroom kept free for batches and updates the diagnosis did not see.
 UNDERFLOW_TOLERANCE = 0.01  # The fraction of nonzero gradient values allowed to flush to zero.
+# The comparison needs no room for unseen batches, only one doubling for 16-bit results that round
+# above the float32 values the comparison scale is chosen from.
+COMPARISON_MARGIN_BITS = 1
+NOISE_SCALE = 3.0  # Not a power of two, so the repeated float32 pass rounds every product anew.
 
-# Layers that draw random numbers; both passes run them in inference mode so the draws cannot differ.
+# Layers that draw random numbers; every pass runs them in inference mode so the draws cannot differ.
 _NOISE_LAYERS = (keras.layers.Dropout, keras.layers.GaussianDropout, keras.layers.GaussianNoise,
                  keras.layers.AlphaDropout)
 # Histogram bin k counts magnitudes in [2**k, 2**(k+1)); these bounds hold every nonzero float32.
@@ -59,25 +80,32 @@ _MIN_EXPONENT, _MAX_EXPONENT = -149, 127
 @dataclasses.dataclass(frozen=True)
 class DtypeRange:
     """The magnitudes a floating dtype holds: inf above `max_finite`, subnormal (fewer significant
-    bits) below `min_normal`, and zero at or below half of `min_subnormal`."""
+    bits) below `min_normal`, and zero at or below half of `min_subnormal`; `eps` is its resolution,
+    the gap between 1 and the next larger value."""
 
     name: str
     max_finite: float
     min_normal: float
     min_subnormal: float
+    eps: float
 
     @classmethod
     def of(cls, dtype: Any) -> "DtypeRange":
         dtype = tf.as_dtype(dtype)
         info = ml_dtypes.finfo(dtype.as_numpy_dtype)
         return cls(dtype.name, float(info.max), float(info.smallest_normal),
-                   float(info.smallest_subnormal))
+                   float(info.smallest_subnormal), float(info.eps))
 
     def headroom_bits(self, max_abs: float) -> float:
         """log2(max_finite / max_abs): the doublings `max_abs` can take before it overflows."""
         if max_abs == 0:
             return math.inf
         return math.log2(self.max_finite / max_abs) if math.isfinite(max_abs) else -math.inf
+
+    def safe_log2_scale(self, max_abs: float, margin_bits: float) -> int:
+        """The largest k with max_abs * 2**k at most max_finite / 2**margin_bits: the loss scale
+        exponent that leaves the largest gradient, `max_abs` (positive), `margin_bits` doublings."""
+        return math.floor(math.log2(self.max_finite) - margin_bits - math.log2(max_abs))
 
     def zero_fraction(self, histogram: dict[int, int], log2_scale: int = 0) -> float:
         """The fraction of the magnitudes counted in a log2 `histogram` that flush to zero in this dtype
@@ -124,7 +152,8 @@ class VariableReport:
     subnormal_fraction: float  # ...became subnormal...
     overflow_fraction: float  # ...or became inf.
     mixed_zero_fraction: float  # Mixed pass: the gradient was zero where float32's was not.
-    relative_error: float  # |mixed gradient (unscaled) - float32 gradient| / |float32 gradient|.
+    absolute_error: float  # ||mixed gradient - float32 gradient||, as the module docstring's abs.err.
+    relative_error: Optional[float]  # The module docstring's rel.err; None when float32's is noise.
     histogram: dict[int, int]  # {k: number of float32 magnitudes in [2**k, 2**(k+1))}.
 
 
@@ -155,6 +184,7 @@ class PrecisionReport:
     num_batches: int  # Train batches read: fewer than asked for when the data ran out.
     num_micro_batches: int  # Micro-batches seen: num_batches times train.accumulation_steps.
     loss_scale: float  # The scale gradients were examined at.
+    comparison_scale: float  # The scale of the mixed pass: loss_scale, or less where that overflows.
     gradient_zero_fraction: float  # Over every gradient computed in 16 bits, at the loss scale.
     gradient_subnormal_fraction: float
     gradient_overflow_fraction: float
@@ -174,10 +204,11 @@ class PrecisionReport:
 def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None) -> PrecisionReport:
     """Compares the trainer's model in its policy with float32 on its next `num_batches` train batches.
 
-    Both passes start from the trainer's current weights (call `trainer.restore()` first to diagnose a
-    checkpoint) and see the same micro-batches, split as the train step splits them. The model's
-    variables are left bit-identical and the optimizer and loss scale untouched, but
-    `trainer.train_iterator` advances by `num_batches`.
+    Every pass starts from the trainer's current weights (call `trainer.restore()` first to diagnose a
+    checkpoint) and sees the same micro-batches, split as the train step splits them; the mixed pass
+    runs at the comparison scale of the module docstring. The model's variables are left
+    bit-identical and the optimizer and loss scale untouched, but `trainer.train_iterator` advances
+    by `num_batches`.
 
     Args:
       trainer: a constructed `mixloop.Trainer`.
@@ -208,19 +239,23 @@ def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None) 
     if not 0 < scale < math.inf:
         raise ValueError(f"loss_scale must be positive and finite, got {loss_scale!r}")
 
+    batches = list(itertools.islice(trainer.train_iterator, num_batches))
+    if not batches:
+        raise UserError("the train data has no batches left to diagnose")
+    micro_batches = [micro_batch for batch in batches
+                     for micro_batch in _micro_batches(batch, trainer.train_step.accumulation_steps)]
+
     model = trainer.model
     twin = build_model(trainer.build_model, Policy.from_string("float32"))
     twin.set_weights(model.get_weights())
     saved = [variable.numpy() for variable in model.variables]
     try:
-        layers, variables, num_read = _measure(trainer, twin, num_batches, scale)
+        layers, variables, comparison_scale = _measure(trainer, twin, micro_batches, scale)
     finally:
         # The forward passes ran in training mode, which moves e.g. BatchNorm statistics.
         for variable, value in zip(model.variables, saved):
             variable.assign(value)
 
-    if not num_read:
-        raise UserError("the train data has no batches left to diagnose")
     # Pooled over every gradient value computed in 16 bits.
     low_variables = [v for v in variables if v.dtype != "float32"]
     num_values = sum(v.num_values for v in low_variables) or 1
@@ -228,8 +263,8 @@ def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None) 
                  for name in ("zero_fraction", "subnormal_fraction", "overflow_fraction")]
     return PrecisionReport(
         trainer=trainer.config.trainer, policy=str(policy), compute_dtype=policy.compute_dtype.name,
-        step=int(trainer.global_step.numpy()), num_batches=num_read,
-        num_micro_batches=num_read * trainer.train_step.accumulation_steps, loss_scale=scale,
+        step=int(trainer.global_step.numpy()), num_batches=len(batches),
+        num_micro_batches=len(micro_batches), loss_scale=scale, comparison_scale=comparison_scale,
         gradient_zero_fraction=fractions[0], gradient_subnormal_fraction=fractions[1],
         gradient_overflow_fraction=fractions[2], layers=layers, variables=variables,
         advice=_advise(layers, variables, fractions, scale, policy, trainer.config.precision),
@@ -252,34 +287,67 @@ class _Pass:
     output_grads: dict[int, list[list[np.ndarray]]]  # Layer index -> per call, its outputs' gradients.
 
 
-def _measure(trainer, twin: keras.Model, num_batches: int, scale: float):
-    """Runs both passes over the micro-batches of up to `num_batches` batches (fewer when the data
-    runs out); returns the layer reports, the variable reports and the number of batches read."""
+def _measure(trainer, twin: keras.Model, micro_batches: list,
+             scale: float) -> tuple[list[LayerReport], list[VariableReport], float]:
+    """Runs the float32 passes over every micro-batch, then the mixed pass at the comparison scale
+    their gradients give; returns the layer reports, the variable reports and that scale."""
     model, policy = trainer.model, trainer.policy
-    model_layers = list(model._flatten_layers(include_self=False))
-    twin_layers = list(twin._flatten_layers(include_self=False))
-    layer_tallies = {
-        index: _LayerTally(layer_path(layer), layer.compute_dtype)
-        for index, layer in enumerate(model_layers) if tf.as_dtype(layer.compute_dtype).is_floating
-    }
+    model_layers = list(named_layers(model).items())
+    layer_tallies = {index: _LayerTally(path, layer.compute_dtype)
+                     for index, (path, layer) in enumerate(model_layers)
+                     if tf.as_dtype(layer.compute_dtype).is_floating}
     dtypes = _gradient_dtypes(model_layers, model.trainable_variables, policy)
     variable_tallies = [_VariableTally(v.path, dtype)
                         for v, dtype in zip(model.trainable_variables, dtypes)]
-    order: dict[int, None] = {}
+    order, float32_grads = _measure_float32(trainer, twin, micro_batches, scale, layer_tallies,
+                                            variable_tallies)
+    layers = [layer_tallies[i] for i in order]
+    comparison_scale = _comparison_scale(scale, layers, variable_tallies, policy.compute_dtype)
+    recorded = [layer for _, layer in model_layers]
+    for micro_batch, grads in zip(micro_batches, float32_grads):
+        mixed = _forward_backward(trainer, model, policy, recorded, micro_batch, comparison_scale)
+        for index in order:
+            layer_tallies[index].add_mixed(mixed.calls.get(index, []))
+        for tally, float32_grad, mixed_grad in zip(variable_tallies, grads, mixed.grads):
+            tally.add_mixed(float32_grad, mixed_grad)
+    eps = DtypeRange.of(policy.compute_dtype).eps
+    return ([layer.report() for layer in layers], [tally.report(eps) for tally in variable_tallies],
+            comparison_scale)
+
+
+def _measure_float32(trainer, twin: keras.Model, micro_batches: list, scale: float,
+                     layer_tallies: dict[int, _LayerTally], variable_tallies: list[_VariableTally]
+                     ) -> tuple[list[int], list[list[np.ndarray]]]:
+    """Runs the float32 pass over every micro-batch and repeats it at NOISE_SCALE, adding both to the
+    tallies; returns the indices of the layers called, in the order of their first calls, and every
+    micro-batch's float32 gradients."""
+    twin_layers = list(named_layers(twin).values())
     float32 = Policy.from_string("float32")
-    num_read = 0
-    for num_read, batch in enumerate(itertools.islice(trainer.train_iterator, num_batches), start=1):
-        for micro_batch in _micro_batches(batch, trainer.train_step.accumulation_steps):
-            reference = _forward_backward(trainer, twin, float32, twin_layers, micro_batch, 1.0)
-            mixed = _forward_backward(trainer, model, policy, model_layers, micro_batch, scale)
-            order.update(dict.fromkeys(i for i in reference.calls if i in layer_tallies))
-            for index in order:
-                layer_tallies[index].add(reference.calls.get(index, []),
-                                         reference.output_grads.get(index, []),
-                                         mixed.calls.get(index, []), scale)
-            for tally, float32_grad, mixed_grad in zip(variable_tallies, reference.grads, mixed.grads):
-                tally.add(float32_grad, mixed_grad, scale)
-    return [layer_tallies[i].report() for i in order], [t.report() for t in variable_tallies], num_read
+    order: dict[int, None] = {}
+    float32_grads = []
+    for micro_batch in micro_batches:
+        reference = _forward_backward(trainer, twin, float32, twin_layers, micro_batch, 1.0)
+        repeat = _forward_backward(trainer, twin, float32, twin_layers, micro_batch, NOISE_SCALE)
+        order.update(dict.fromkeys(i for i in reference.calls if i in layer_tallies))
+        for index in order:
+            layer_tallies[index].add_float32(reference.calls.get(index, []),
+                                             reference.output_grads.get(index, []), scale)
+        for tally, grad, repeated_grad in zip(variable_tallies, reference.grads, repeat.grads):
+            tally.add_float32(grad, repeated_grad, scale)
+        float32_grads.append(reference.grads)
+    return list(order), float32_grads
+
+
+def _comparison_scale(scale: float, layers: list, variables: list, compute_dtype: tf.DType) -> float:
+    """The module docstring's comparison scale, from the float32 gradients of `layers` and `variables`
+    (reports or tallies)."""
+    low_layers = [layer for layer in layers if layer.compute_dtype != "float32"]
+    low_variables = [variable for variable in variables if variable.dtype != "float32"]
+    largest = _largest_gradient(low_layers, low_variables)
+    if not 0 < largest < math.inf:  # No 16-bit gradient, or float32's own overflowed: nothing fits.
+        return scale
+    log2_scale = DtypeRange.of(compute_dtype).safe_log2_scale(largest, COMPARISON_MARGIN_BITS)
+    return min(scale, 2.0**log2_scale)
 
 
 def _micro_batches(batch: Any, num_micro_batches: int) -> list:
@@ -295,13 +363,13 @@ def _forward_backward(trainer, model: keras.Model, policy: Policy, layers: list,
     with tf.GradientTape() as tape, _recording_calls(layers, tape.watch) as calls:
         inputs = policy.cast_to_compute(trainer.model_inputs(batch))
         outputs = policy.cast_to_output(model(inputs, training=True))
-        loss_sum, _ = as_sum_and_weight(trainer.compute_loss(outputs, batch))
-        scaled_loss = loss_sum * scale
+        loss_sum, weight = as_sum_and_weight(trainer.compute_loss(outputs, batch))
+        scaled_loss = per_weight(loss_sum, tf.stop_gradient(weight)) * scale  # as the step scales
     layer_outputs = {index: [call.outputs for call in records] for index, records in calls.items()}
-    grads, output_grads = tape.gradient(
-        scaled_loss, (model.trainable_variables, layer_outputs),
-        unconnected_gradients=tf.UnconnectedGradients.ZERO,
-    )
+    grads, output_grads = tape.gradient(scaled_loss, (model.trainable_variables, layer_outputs))
+    grads = [tf.zeros(v.shape) if g is None else g for g, v in zip(grads, model.trainable_variables)]
+    output_grads = tf.nest.map_structure(
+        lambda g, t: tf.zeros_like(t) if g is None else g, output_grads, layer_outputs)
     return _Pass(
         calls=calls,
         grads=[_as_float32(g) / np.float32(scale) for g in grads],
@@ -329,14 +397,19 @@ def _recording_calls(layers: list, watch) -> Iterator[dict[int, list[_Call]]]:
 
         return recorded_call
 
+    # An instance's own `call` (layer_precision's cast back to the compute dtype) is put back on exit.
+    own_calls = [vars(layer).get("call") for layer in layers]
     # object.__setattr__ bypasses Keras's attribute tracking, which would track the wrapper.
     for index, layer in enumerate(layers):
         object.__setattr__(layer, "call", recording(index, layer, layer.call))
     try:
         yield calls
     finally:
-        for layer in layers:
-            object.__delattr__(layer, "call")
+        for layer, own_call in zip(layers, own_calls):
+            if own_call is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", own_call)
 
 
 def _floating(structure: Any) -> list[tf.Tensor]:
@@ -348,9 +421,10 @@ def _as_float32(tensor: Any) -> np.ndarray:
     return tf.cast(tf.convert_to_tensor(tensor), tf.float32).numpy()
 
 
-def _gradient_dtypes(layers: list, variables: list, policy: Policy) -> list[str]:
-    """The dtype each variable's gradient is computed in: its owning layer's compute dtype."""
-    compute_dtypes = {layer.path: layer.compute_dtype for layer in layers if layer.path}
+def _gradient_dtypes(layers: list[tuple[str, Any]], variables: list, policy: Policy) -> list[str]:
+    """The dtype each variable's gradient is computed in: the compute dtype of the layer, among the
+    (path, layer) pairs `layers`, that owns it."""
+    compute_dtypes = {path: layer.compute_dtype for path, layer in layers}
     default = policy.compute_dtype.name
     return [compute_dtypes.get(v.path.rpartition("/")[0], default) for v in variables]
 
@@ -383,6 +457,11 @@ def _num_non_finite(arrays: list[np.ndarray]) -> int:
     return sum(int(np.sum(~np.isfinite(a))) for a in arrays)
 
 
+def _squared_norm(values: np.ndarray) -> float:
+    """The sum of squares in float64; inf when any value is inf or NaN."""
+    return float(np.sum(np.square(values, dtype=np.float64))) if np.isfinite(values).all() else math.inf
+
+
 def _fraction(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
 
@@ -398,8 +477,8 @@ class _LayerTally:
         self.creates_non_finite = False
         self.grad_counts = np.zeros(4, np.int64)
 
-    def add(self, float32_calls: list[_Call], output_grads: list, mixed_calls: list[_Call],
-            scale: float) -> None:
+    def add_float32(self, float32_calls: list[_Call], output_grads: list, scale: float) -> None:
+        """One micro-batch's float32 pass; its output gradients are examined at `scale`."""
         for call in float32_calls:
             outputs = [_as_float32(t) for t in call.outputs]
             if call.inputs:
@@ -410,6 +489,9 @@ class _LayerTally:
         for grad in itertools.chain.from_iterable(output_grads):
             self.max_abs_output_grad = max(self.max_abs_output_grad, _max_abs([grad]))
             self.grad_counts += _cast_counts(grad, scale, self.compute_dtype)
+
+    def add_mixed(self, mixed_calls: list[_Call]) -> None:
+        """One micro-batch's mixed pass."""
         for call in mixed_calls:
             num_bad = _num_non_finite([_as_float32(t) for t in call.outputs])
             self.non_finite_outputs += num_bad
@@ -437,28 +519,34 @@ class _VariableTally:
         self.counts = np.zeros(4, np.int64)  # As _cast_counts.
         self.num_mixed_zero = 0
         self.max_abs, self.min_abs = 0.0, math.inf
-        self.error_squared = self.reference_squared = 0.0
+        self.error_squared = self.reference_squared = self.noise_squared = 0.0
         self.histogram = np.zeros(_MAX_EXPONENT - _MIN_EXPONENT + 1, np.int64)
 
-    def add(self, float32_grad: np.ndarray, mixed_grad: np.ndarray, scale: float) -> None:
-        nonzero = float32_grad != 0
-        self.counts += _cast_counts(float32_grad, scale, self.dtype)
-        self.num_mixed_zero += int(np.sum(nonzero & (mixed_grad == 0)))
-        self.histogram += _log2_histogram(float32_grad)
+    def add_float32(self, grad: np.ndarray, repeated_grad: np.ndarray, scale: float) -> None:
+        """One micro-batch's float32 gradient, examined at `scale`, and its repeat at NOISE_SCALE."""
+        nonzero = grad != 0
+        self.counts += _cast_counts(grad, scale, self.dtype)
+        self.histogram += _log2_histogram(grad)
         if nonzero.any():
-            magnitudes = np.abs(float32_grad[nonzero])
+            magnitudes = np.abs(grad[nonzero])
             self.max_abs = max(self.max_abs, float(magnitudes.max()))
             self.min_abs = min(self.min_abs, float(magnitudes.min()))
-        error = mixed_grad.astype(np.float64) - float32_grad
-        self.error_squared += float(np.sum(error**2)) if np.isfinite(mixed_grad).all() else math.inf
-        self.reference_squared += float(np.sum(float32_grad.astype(np.float64) ** 2))
+        self.reference_squared += _squared_norm(grad)
+        self.noise_squared += _squared_norm(repeated_grad.astype(np.float64) - grad)
 
-    def report(self) -> VariableReport:
+    def add_mixed(self, float32_grad: np.ndarray, mixed_grad: np.ndarray) -> None:
+        """One micro-batch's mixed gradient, against its float32 gradient."""
+        self.num_mixed_zero += int(np.sum((float32_grad != 0) & (mixed_grad == 0)))
+        self.error_squared += _squared_norm(mixed_grad.astype(np.float64) - float32_grad)
+
+    def report(self, eps: float) -> VariableReport:
+        """The report; `eps` is the compute dtype's, for the module docstring's rel.err."""
         num_values = int(self.counts[0])
-        if self.reference_squared:
-            relative_error = math.sqrt(self.error_squared / self.reference_squared)
-        else:
-            relative_error = 0.0 if self.error_squared == 0 else math.inf
+        absolute_error = math.sqrt(self.error_squared)
+        reference_norm = math.sqrt(self.reference_squared)
+        # Also None for a zero reference, whose noise (zero too) is not below eps times it.
+        resolved = math.sqrt(self.noise_squared) < eps * reference_norm
+        relative_error = absolute_error / reference_norm if resolved else None
         return VariableReport(
             path=self.path, dtype=self.dtype, num_values=num_values, max_abs=self.max_abs,
             min_abs=self.min_abs if num_values else 0.0,
@@ -466,7 +554,7 @@ class _VariableTally:
             subnormal_fraction=_fraction(self.counts[2], num_values),
             overflow_fraction=_fraction(self.counts[3], num_values),
             mixed_zero_fraction=_fraction(self.num_mixed_zero, num_values),
-            relative_error=relative_error,
+            absolute_error=absolute_error, relative_error=relative_error,
             histogram={k + _MIN_EXPONENT: int(c) for k, c in enumerate(self.histogram) if c},
         )
 
@@ -491,7 +579,7 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
     initial_scale = zero_fraction = None
     if policy.compute_dtype == tf.float16 and largest_grad > 0:
         float16 = DtypeRange.of(tf.float16)
-        log2_scale = math.floor(math.log2(float16.max_finite) - MARGIN_BITS - math.log2(largest_grad))
+        log2_scale = float16.safe_log2_scale(largest_grad, MARGIN_BITS)
         initial_scale = 2.0**log2_scale
         zero_fraction = float16.zero_fraction(_sum_histograms(kept_variables), log2_scale)
 
@@ -513,8 +601,9 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
     )
 
 
-def _largest_gradient(layers: list[LayerReport], variables: list[VariableReport]) -> float:
-    """The largest unscaled gradient of any of `variables` or of the outputs of `layers`."""
+def _largest_gradient(layers: list, variables: list) -> float:
+    """The largest unscaled float32 gradient of any of `variables` or of the outputs of `layers`
+    (reports or tallies, which name these values alike)."""
     return max([v.max_abs for v in variables] + [l.max_abs_output_grad for l in layers], default=0.0)
 
 

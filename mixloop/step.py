@@ -196,7 +196,7 @@ class TrainStep:
             inputs = self.policy.cast_to_compute(self.input_fn(micro_batch))
             outputs = self.policy.cast_to_output(self.model(inputs, training=True))
             loss_sum, weight = as_sum_and_weight(self.loss_fn(outputs, micro_batch))
-            scaled_loss = self.loss_scale.scale_loss(_per_weight(loss_sum, tf.stop_gradient(weight)))
+            scaled_loss = self.loss_scale.scale_loss(per_weight(loss_sum, tf.stop_gradient(weight)))
         scaled_grads = tape.gradient(scaled_loss, variables)
         # Which variables the loss does not reach is known while tracing. They get zero gradients
         # here, which change neither the norm nor the finiteness check, and no update (see _apply).
@@ -232,8 +232,11 @@ def masked_paths(variables: list, mask: tf.Variable) -> list[str]:
     return [v.path for v, marked in zip(variables, mask.numpy()) if marked]
 
 
-def _per_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
-    """`value / weight` (0 for a weight of 0); `value` itself for the weight 1 of a plain mean loss."""
+def per_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
+    """`value / weight` (0 for a weight of 0); `value` itself for the weight 1 of a plain mean loss.
+
+    The loss scale multiplies a micro-batch's loss per weight (its mean), whatever the loss's form.
+    """
     return value if tf.get_static_value(weight) == 1.0 else tf.math.divide_no_nan(value, weight)
 
 

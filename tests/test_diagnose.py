@@ -1,5 +1,6 @@
 """The precision doctor: planted problems found and cured, its files, `python -m mixloop.diagnose`."""
 
+import functools
 import glob
 import json
 import math
@@ -7,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -19,6 +21,30 @@ from mixloop.precision_report import DtypeRange, diagnose
 from mixloop.cli import import_trainer
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+FLOAT16 = DtypeRange.of(tf.float16)
+LOUD_FACTOR = 1e3  # Multiplies the loud model's loss, so its gradients overflow float16 at 2^15.
+
+
+class LoudTrainer(hot_experiment.FaintTrainer):
+    """The faint experiment's MLP with a loss 1e3 times the plain one: gradients up to about 1e3,
+    which overflow float16 at the default loss scale 2^15 from a forward pass that fits."""
+
+    def compute_loss(self, outputs, batch):
+        return LOUD_FACTOR * hot_experiment.HotTrainer.compute_loss(self, outputs, batch)
+
+
+class ZeroGradientTrainer(hot_experiment.HotTrainer):
+    """Gradients that are zero in exact arithmetic: the bias of `centered`, which batch normalization
+    subtracts again, and the kernel of `fed_zeros`, whose inputs are all zero."""
+
+    def build_model(self):
+        inputs = keras.Input((8,))
+        centered = keras.layers.Dense(16, name="centered")(inputs)
+        normalized = keras.layers.BatchNormalization(name="norm")(centered)
+        zeros = keras.layers.Rescaling(0.0, name="zeros")(inputs)
+        fed_zeros = keras.layers.Dense(4, name="fed_zeros")(zeros)
+        x = keras.layers.Concatenate(name="both")([normalized, fed_zeros])
+        return keras.Model(inputs, keras.layers.Dense(3, name="logits")(x))
 
 
 def make_trainer(module, workdir, arg=None, **overrides):
@@ -40,6 +66,10 @@ def test_dtype_ranges_count_in_powers_of_two():
     assert (float16.max_finite, float16.min_normal, float16.min_subnormal) == (65504, 2.0**-14, 2.0**-24)
     assert DtypeRange.of(tf.bfloat16).min_normal == 2.0**-126
     assert float16.headroom_bits(65504 / 8) == 3.0
+    assert float16.eps == 2.0**-10 and DtypeRange.of(tf.bfloat16).eps == 2.0**-7
+    # 1.0 * 2**12 leaves 65504 / 4096 = 15.99 = 3.99 doublings; 2**13 would leave fewer than 3.
+    assert float16.safe_log2_scale(1.0, margin_bits=3) == 12
+    assert float16.safe_log2_scale(65504 / 8, margin_bits=3) == 0
     # Bin k holds [2**k, 2**(k+1)); float16 rounds magnitudes up to 2**-25 to zero.
     histogram = {-27: 1, -26: 1, -25: 1, 0: 1}
     assert float16.zero_fraction(histogram) == 0.5
@@ -109,6 +139,67 @@ def test_a_healthy_model_has_no_problems_and_is_left_bit_identical(tmp_path):
     assert max(v.relative_error for v in report.variables) < 0.05
     for before, after in zip(variables, trainer.model.variables):
         np.testing.assert_array_equal(before, after.numpy())
+
+
+def largest_16bit_gradient(report):
+    return max([v.max_abs for v in report.variables if v.dtype == "float16"]
+               + [l.max_abs_output_grad for l in report.layers if l.compute_dtype == "float16"])
+
+
+def test_gradients_that_overflow_at_the_loss_scale_are_compared_at_a_lower_one(tmp_path):
+    report = diagnose(make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.LoudTrainer"),
+                      num_batches=2)
+
+    # The overflow at the examined scale stays a finding of its own.
+    assert report.loss_scale == 2.0**15
+    assert report.gradient_overflow_fraction > 0.5
+    assert report.advice.problems[0].startswith("gradients overflow at loss scale 32768")
+    # The largest power of two that leaves the largest 16-bit gradient a doubling below 65504.
+    comparison = report.comparison_scale
+    assert math.log2(comparison).is_integer() and comparison < report.loss_scale
+    assert 65504 / 4 < largest_16bit_gradient(report) * comparison <= 65504 / 2
+    # Every gradient is compared, within a few float16 roundings of float32's.
+    assert all(v.relative_error < 4 * FLOAT16.eps for v in report.variables)
+    assert all(v.mixed_zero_fraction == 0 for v in report.variables)
+    text = diagnose_cli.format_report(report)
+    assert (f"loss scale 2^15 = 32768, mixed pass at loss scale 2^{math.log2(comparison):.0f} = "
+            f"{comparison:g}") in text
+
+
+def test_gradients_zero_in_exact_arithmetic_get_an_absolute_error_only(tmp_path):
+    report = diagnose(make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.ZeroGradientTrainer"),
+                      num_batches=2)
+    variables = {v.path: v for v in report.variables}
+    kernel, bias, fed_zeros = (variables[path] for path in
+                               ("centered/kernel", "centered/bias", "fed_zeros/kernel"))
+
+    # float32 leaves rounding noise from the batch norm's cancellation, float16 thousands of times more.
+    assert 0 < bias.max_abs < 1e-6 * kernel.max_abs
+    assert bias.relative_error is None
+    assert 0 < bias.absolute_error < FLOAT16.eps * kernel.max_abs
+    # Zero times anything is zero in both passes.
+    assert fed_zeros.max_abs == 0 and fed_zeros.num_values == 0
+    assert fed_zeros.absolute_error == 0 and fed_zeros.relative_error is None
+    # The others are compared as usual.
+    assert all(v.relative_error < 4 * FLOAT16.eps for v in report.variables
+               if v.path not in ("centered/bias", "fed_zeros/kernel"))
+    row = next(line for line in diagnose_cli.format_report(report).splitlines()
+               if line.startswith("centered/bias "))
+    assert row.endswith(f"{bias.absolute_error:.2e}         -")
+
+
+def test_a_diagnosis_leaves_every_layer_call_as_it_found_it(tmp_path):
+    """The doctor wraps each layer's `call` while it records; a layer whose instance already has its
+    own `call` (layer_precision's hand-back inside subclassed layers) must get that one back."""
+    trainer = make_trainer(hot_experiment, tmp_path, "faint")
+    body = trainer.model.get_layer("body")
+    own_call = body.call
+    object.__setattr__(body, "call", functools.wraps(own_call)(lambda *a, **k: own_call(*a, **k)))
+    instance_call = body.call
+    diagnose(trainer, num_batches=1)
+
+    assert body.__dict__["call"] is instance_call
+    assert "call" not in trainer.model.get_layer("logits").__dict__
 
 
 def test_a_float32_policy_has_nothing_to_compare(tmp_path):
