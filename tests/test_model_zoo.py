@@ -185,3 +185,18 @@ def test_trains_unchanged_under_every_policy(name):
         assert initial == pytest.approx(float32_initial, rel=START_LOSS_RTOL[policy_name]), policy_name
         compute = Policy.from_string(policy_name).compute_dtype.name
         assert named_layers(model)[BODY_LAYERS[name]].compute_dtype == compute, policy_name
+
+
+@pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])
+def test_bert_with_its_layer_norms_kept_in_float32_trains(policy_name):
+    """The post-LN case that crashed when a float32 LayerNormalization returned float32 into
+    `x + residual` inside keras-hub's TransformerEncoder: now it hands the compute dtype back."""
+    policy = Policy.from_string(policy_name)
+    model = mixloop.build_model(lm_on(bert), policy, float32_layers=".*_layer_norm")
+    norms = [layer for path, layer in named_layers(model).items() if path.endswith("_layer_norm")]
+    assert len(norms) == 5 and {layer.compute_dtype for layer in norms} == {"float32"}
+    step = mixloop.TrainStep(model=model, optimizer=keras.optimizers.AdamW(1e-3),
+                             loss_fn=masked_token_loss, policy=policy, jit_compile=True)
+    batch = token_batch(with_segments=True)
+    losses = [float(step(batch)["loss"]) for _ in range(3)]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
