@@ -1,6 +1,7 @@
 """mixloop: explicit mixed-precision training for TensorFlow 2 and Keras 3."""
 
 from mixloop.layer_precision import build_model, keep_float32_layers
+from mixloop.loss import Loss
 from mixloop.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, all_finite
 from mixloop.policy import Policy
 from mixloop.step import TrainStep
@@ -8,6 +9,7 @@ from mixloop.trainer import Trainer
 
 __all__ = [
     "DynamicLossScale",
+    "Loss",
     "NoLossScale",
     "Policy",
     "StaticLossScale",

@@ -48,7 +48,8 @@ from mixloop import cli, layer_precision, precision_setup
 from mixloop.config import validate
 from mixloop.errors import UserError
 from mixloop.loss_scale import DynamicLossScale, NoLossScale
-from mixloop.step import as_sum_and_weight
+from mixloop.loss import as_loss
+from mixloop.step import forward
 from mixloop.trainer import resolve_jit_compile
 
 REPEATS, QUICK_REPEATS = 5, 3
@@ -100,9 +101,8 @@ def _keras_loss(trainer) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
     """The experiment's `compute_loss` as a Keras loss, for batches of `(inputs, targets)`."""
 
     def loss(targets, outputs):
-        loss_sum, weight = as_sum_and_weight(
-            trainer.compute_loss(tf.cast(outputs, tf.float32), (None, targets)))
-        return loss_sum / weight
+        loss = as_loss(trainer.compute_loss(tf.cast(outputs, tf.float32), (None, targets)))
+        return loss.value / loss.weight
 
     return loss
 
@@ -141,10 +141,9 @@ def bare_variant(trainer, data: tf.data.Dataset) -> Variant:
     @tf.function(jit_compile=trainer.jit_compile)
     def step(batch):
         with tf.GradientTape() as tape:
-            inputs = policy.cast_to_compute(trainer.model_inputs(batch))
-            outputs = policy.cast_to_output(model(inputs, training=True))
-            loss_sum, weight = as_sum_and_weight(trainer.compute_loss(outputs, batch))
-            loss = loss_sum / weight
+            outputs = forward(model, policy, trainer.model_inputs(batch), training=True)
+            loss = as_loss(trainer.compute_loss(outputs, batch))
+            loss = loss.value / loss.weight
         optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
         return loss
 

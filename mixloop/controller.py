@@ -118,7 +118,7 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
         try:
             totals = trainer._train_loop(trainer.train_iterator,
                                          tf.constant(_loop_length(trainer, step, last_step)))
-            totals = {name: value.numpy() for name, value in totals.items()}
+            totals = tf.nest.map_structure(lambda value: value.numpy(), totals)
         except tf.errors.InvalidArgumentError as error:
             raise UserError(f"the train step failed near step {step + 1}: {_op_error_summary(error)}"
                             ) from None

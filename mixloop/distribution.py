@@ -13,6 +13,8 @@ import tensorflow as tf
 from mixloop.config import DISTRIBUTIONS
 from mixloop.errors import UserError
 
+_COLLECTIVE_KEY_STRIDE = 100_000  # Far more group keys than one strategy ever takes.
+
 def make_strategy(name: str) -> tf.distribute.Strategy:
     """The strategy `config.distribution` names; call it before TensorFlow runs any op.
 
@@ -31,6 +33,7 @@ def make_strategy(name: str) -> tf.distribute.Strategy:
     if name == "mirrored":
         # All GPUs; without GPUs, every logical CPU (tests split the CPU into several).
         devices = None if gpus else [d.name for d in tf.config.list_logical_devices("CPU")]
+        _fresh_collective_keys(tf.distribute.MirroredStrategy)
         return tf.distribute.MirroredStrategy(devices)
     if name == "multi_worker":
         if "TF_CONFIG" not in os.environ:
@@ -42,6 +45,18 @@ def make_strategy(name: str) -> tf.distribute.Strategy:
         tf.tpu.experimental.initialize_tpu_system(resolver)
         return tf.distribute.TPUStrategy(resolver)
     raise UserError(f"config.distribution={name!r} is not allowed: one of {', '.join(DISTRIBUTIONS)}")
+
+
+def _fresh_collective_keys(strategy_class: type) -> None:
+    """Moves the keys the next strategy of `strategy_class` numbers its collective ops from.
+
+    Every MirroredStrategy numbers its all-reduces from the same keys, and TensorFlow keeps a key's
+    shape for the life of the process: a second Trainer in one process (a sweep, a notebook) whose
+    all-reduce carries another shape would abort with "Shape mismatch in the collective instance".
+    `_collective_key_base` is TensorFlow's own offset for this (private; pinned by
+    test_distribution.py::test_two_mirrored_trainers_in_one_process).
+    """
+    strategy_class._collective_key_base += _COLLECTIVE_KEY_STRIDE
 
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:

@@ -61,7 +61,8 @@ from mixloop.config import parse_loss_scale
 from mixloop.errors import UserError
 from mixloop.layer_precision import build_model, named_layers
 from mixloop.policy import Policy
-from mixloop.step import as_sum_and_weight, per_weight, split_micro_batches
+from mixloop.loss import as_loss
+from mixloop.step import forward, per_weight, split_micro_batches
 
 MARGIN_BITS = 3  # Doublings of headroom kept free for batches and updates the diagnosis did not see.
 UNDERFLOW_TOLERANCE = 0.01  # The fraction of nonzero gradient values allowed to flush to zero.
@@ -361,10 +362,9 @@ def _forward_backward(trainer, model: keras.Model, policy: Policy, layers: list,
                       scale: float) -> _Pass:
     """The train step's micro-step in `policy`, recording every layer call; gradients are unscaled."""
     with tf.GradientTape() as tape, _recording_calls(layers, tape.watch) as calls:
-        inputs = policy.cast_to_compute(trainer.model_inputs(batch))
-        outputs = policy.cast_to_output(model(inputs, training=True))
-        loss_sum, weight = as_sum_and_weight(trainer.compute_loss(outputs, batch))
-        scaled_loss = per_weight(loss_sum, tf.stop_gradient(weight)) * scale  # as the step scales
+        outputs = forward(model, policy, trainer.model_inputs(batch), training=True)
+        loss = as_loss(trainer.compute_loss(outputs, batch))
+        scaled_loss = per_weight(loss.value, tf.stop_gradient(loss.weight)) * scale  # as the step does
     layer_outputs = {index: [call.outputs for call in records] for index, records in calls.items()}
     grads, output_grads = tape.gradient(scaled_loss, (model.trainable_variables, layer_outputs))
     grads = [tf.zeros(v.shape) if g is None else g for g, v in zip(grads, model.trainable_variables)]

@@ -1,13 +1,15 @@
-"""Reporting: TensorBoard summaries for train and eval, and the console progress line."""
+"""Reporting: TensorBoard summaries for train and eval, the console progress line, interval statistics."""
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Mapping
+from typing import Any, Mapping
 
 import tensorflow as tf
 from absl import logging
+
+from mixloop.errors import UserError
 
 
 class MetricWriter:
@@ -38,13 +40,32 @@ def format_duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
+# The train scalars the framework writes itself; a train metric of the same name is refused.
+BUILT_IN_TRAIN_TAGS = ("loss", "loss_scale", "learning_rate", "grad_norm", "skipped_steps",
+                       "skipped_total", "steps_per_sec", "examples_per_sec")
+
+
+def check_metric_names(names: list[str]) -> None:
+    """Refuses train metric names that would overwrite a built-in train scalar.
+
+    Raises:
+      UserError: naming the metric and the reserved names.
+    """
+    for name in names:
+        if name in BUILT_IN_TRAIN_TAGS:
+            raise UserError(f"compute_loss returns a metric named {name!r}, which the framework "
+                            f"writes itself; rename it (taken: {', '.join(BUILT_IN_TRAIN_TAGS)})")
+
+
 def log_progress(step: int, num_steps: int, scalars: Mapping[str, float]) -> None:
-    """One console line: step/total, loss, scale, skipped, steps/s and the time left."""
+    """One console line: step/total, loss, train metrics, scale, skipped, steps/s and the time left."""
     steps_per_sec = scalars["steps_per_sec"]
     eta = (num_steps - step) / steps_per_sec if steps_per_sec > 0 else float("inf")
+    metrics = "".join(f"  {name} {value:.4f}" for name, value in scalars.items()
+                      if name not in BUILT_IN_TRAIN_TAGS)
     logging.info(
-        "step %d/%d  loss %.4f  scale %g  skipped %d (total %d)  %.2f steps/s  ETA %s",
-        step, num_steps, scalars["loss"], scalars["loss_scale"], scalars["skipped_steps"],
+        "step %d/%d  loss %.4f%s  scale %g  skipped %d (total %d)  %.2f steps/s  ETA %s",
+        step, num_steps, scalars["loss"], metrics, scalars["loss_scale"], scalars["skipped_steps"],
         scalars["skipped_total"], steps_per_sec, format_duration(eta),
     )
 
@@ -62,12 +83,15 @@ class Interval:
         self.start_step, self.start_skipped = step, int(skipped_total)
         self.seconds = 0.0
         self.totals: dict[str, float] = {}
+        self.metric_sums: dict[str, float] = {}  # Train metrics times the loss weight of each update.
 
-    def add(self, totals: Mapping[str, float], seconds: float) -> None:
+    def add(self, totals: Mapping[str, Any], seconds: float) -> None:
         """Adds one inner loop's sums and the seconds it took (evaluation and checkpoints excluded)."""
         self.seconds += seconds
-        for name in ("loss_sum", "num_finite_loss", "grad_norm_sum", "num_applied"):
-            self.totals[name] = self.totals.get(name, 0.0) + float(totals[name])
+        for name in ("loss_sum", "num_finite_loss", "grad_norm_sum", "num_applied", "metric_weight"):
+            self.totals[name] = self.totals.get(name, 0.0) + float(totals.get(name, 0.0))
+        for name, value in totals.get("metric_sums", {}).items():
+            self.metric_sums[name] = self.metric_sums.get(name, 0.0) + float(value)
 
     def skipped(self, skipped_total: int) -> int:
         """Updates skipped since the interval began."""
@@ -90,4 +114,6 @@ class Interval:
         }
         if t.get("num_applied"):
             summary["grad_norm"] = t["grad_norm_sum"] / t["num_applied"]
+        for name, total in self.metric_sums.items():
+            summary[name] = total / t["metric_weight"] if t.get("metric_weight") else math.nan
         return summary

@@ -5,8 +5,9 @@ The order of operations, once per call::
     split the batch into k micro-batches
     for each micro-batch:
         cast floating inputs to the compute dtype; forward in the compute dtype
-        cast outputs to float32; loss in float32, as (loss_sum, weight)
-        scale the loss; differentiate; unscale the gradients into float32; add to the accumulators
+        cast outputs to float32; loss in float32, as (loss_sum, weight) and metrics
+        scale the loss per weight; differentiate; unscale the gradients into float32 and weight them;
+        add them, the loss, the weight and the weighted metrics to the accumulators
     average the accumulated gradients by the total weight (over micro-batches and replicas)
     check finiteness once; take the global norm; clip the true (unscaled) gradient
     apply the update to the float32 master weights, or skip it and roll back non-trainable state
@@ -15,16 +16,16 @@ The order of operations, once per call::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf
 
+from mixloop.loss import Loss, LossOutput, as_loss
 from mixloop.loss_scale import NoLossScale, _LossScale, leaves_finite
 from mixloop.policy import Policy
 
 Batch = Any
-LossOutput = Union[tf.Tensor, tuple[tf.Tensor, tf.Tensor]]
 
 
 def default_input_fn(batch: Batch) -> Any:
@@ -51,12 +52,11 @@ def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
     return tf.nest.map_structure(split, batch)
 
 
-def as_sum_and_weight(loss: LossOutput) -> tuple[tf.Tensor, tf.Tensor]:
-    """Reads a loss function's result: a mean counts as a sum of weight 1, a pair is (sum, weight)."""
-    if isinstance(loss, (tuple, list)):
-        loss_sum, weight = loss
-        return tf.cast(loss_sum, tf.float32), tf.cast(weight, tf.float32)
-    return tf.cast(loss, tf.float32), tf.constant(1.0, tf.float32)
+def forward(model: keras.Model, policy: Policy, inputs: Any, *, training: bool) -> Any:
+    """The model on `inputs` in `policy`: floating inputs cast to the compute dtype, floating outputs
+    to the output dtype (float32), which is what a loss reads. The step, eval, the doctor and the
+    benchmark all run the model through here."""
+    return policy.cast_to_output(model(policy.cast_to_compute(inputs), training=training))
 
 
 class TrainStep:
@@ -67,8 +67,9 @@ class TrainStep:
     the batch into `accumulation_steps` micro-batches and performs at most one optimizer
     update. It returns a dict of scalars: `loss` (float32, unscaled, averaged by weight over the
     micro-batches), `loss_scale` (the scale used), `grads_finite` (bool), `grad_norm` (float32, of the
-    unscaled averaged gradient before clipping), `applied` (bool), `weight` (the total loss weight)
-    and `inputs_finite` (bool: no inf or NaN in the batch's floating model inputs).
+    unscaled averaged gradient before clipping), `applied` (bool), `weight` (the total loss weight),
+    `inputs_finite` (bool: no inf or NaN in the batch's floating model inputs) and `train_metrics`
+    (a dict: each metric a `mixloop.Loss` from `loss_fn` carries, averaged by weight).
 
     A non-finite gradient skips the update through a graph conditional: model variables (including
     BatchNorm statistics), optimizer slots and the optimizer's iteration count stay bit-identical,
@@ -103,6 +104,7 @@ class TrainStep:
         self.clip_global_norm = clip_global_norm
         self.input_fn = input_fn
         self.strategy = tf.distribute.get_strategy()
+        self._traced_metric_names: Optional[list[str]] = None
         # Per trainable variable: whether its gradient was non-finite in the last skipped update.
         self.nonfinite_gradients = tf.Variable(
             tf.zeros([len(model.trainable_variables)], tf.bool), trainable=False,
@@ -132,7 +134,7 @@ class TrainStep:
         scale = self.loss_scale.scale
         rollback = [tf.identity(v) for v in self.model.non_trainable_variables]
         grads, metrics = self.strategy.run(self._replica_gradients, args=(batch,))
-        metrics = {name: self._first_replica(value) for name, value in metrics.items()}
+        metrics = tf.nest.map_structure(self._first_replica, metrics)
         finite_per_variable = metrics.pop("finite_per_variable")
         applied = tf.cond(
             metrics["grads_finite"],
@@ -142,22 +144,23 @@ class TrainStep:
         self.loss_scale.update(metrics["grads_finite"])
         return {**metrics, "loss_scale": scale, "applied": applied}
 
-    def _replica_gradients(self, batch: Batch) -> tuple[list, dict[str, tf.Tensor]]:
+    def _replica_gradients(self, batch: Batch) -> tuple[list, dict[str, Any]]:
         """One replica's accumulated gradients, summed over replicas once, averaged, checked, clipped."""
         nonfinite_inputs = _count_nonfinite_floats(self.input_fn(batch))
-        grads, loss_sum, weight = self._accumulate(batch, self.model.trainable_variables)
-        # The only communication of the update: gradients, loss, weight and the input check together.
-        grads, loss_sum, weight, nonfinite_inputs = _sum_over_replicas(
-            (grads, loss_sum, weight, nonfinite_inputs))
+        grads, sums = self._accumulate(batch, self.model.trainable_variables)
+        # The only communication of the update: gradients, loss sums and the input check together.
+        grads, sums, nonfinite_inputs = _sum_over_replicas((grads, sums, nonfinite_inputs))
+        weight = sums["weight"]
         grads = [g / weight for g in grads]
         # Every replica now holds the same sums, so the local verdict is already the global one.
         finite_per_variable = leaves_finite(grads)
         grad_norm = tf.linalg.global_norm(grads)
         if self.clip_global_norm is not None:
             grads, _ = tf.clip_by_global_norm(grads, self.clip_global_norm, use_norm=grad_norm)
-        metrics = {"loss": loss_sum / weight, "grads_finite": tf.reduce_all(finite_per_variable),
+        metrics = {"loss": sums["loss"] / weight, "grads_finite": tf.reduce_all(finite_per_variable),
                    "grad_norm": grad_norm, "weight": weight,
                    "inputs_finite": tf.equal(nonfinite_inputs, 0.0),
+                   "train_metrics": {name: value / weight for name, value in sums["metrics"].items()},
                    "finite_per_variable": finite_per_variable}
         return grads, metrics
 
@@ -165,27 +168,48 @@ class TrainStep:
         """The value of the first local replica (all replicas hold the same reduced metrics)."""
         return self.strategy.experimental_local_results(value)[0]
 
-    def _accumulate(self, batch: Batch, variables: list) -> tuple[list, tf.Tensor, tf.Tensor]:
-        """Sums unscaled float32 gradients, loss sums and weights over the micro-batches."""
+    def _accumulate(self, batch: Batch, variables: list) -> tuple[list, dict[str, Any]]:
+        """Sums unscaled float32 gradients and the loss's weighted sums over the micro-batches."""
         if self.accumulation_steps == 1:
             return self._micro_step(batch, variables)
         micro_batches = split_micro_batches(batch, self.accumulation_steps)
 
-        def body(i, grads, loss_sum, weight):
-            micro_batch = tf.nest.map_structure(lambda t: t[i], micro_batches)
-            micro_grads, micro_loss, micro_weight = self._micro_step(micro_batch, variables)
+        def micro_batch(i):
+            return tf.nest.map_structure(lambda t: t[i], micro_batches)
+
+        def body(i, grads, sums):
+            micro_grads, micro_sums = self._micro_step(micro_batch(i), variables)
             grads = [a + g for a, g in zip(grads, micro_grads)]
-            return i + 1, grads, loss_sum + micro_loss, weight + micro_weight
+            return i + 1, grads, tf.nest.map_structure(tf.add, sums, micro_sums)
 
         zeros = [tf.zeros(v.shape, tf.float32) for v in variables]
-        _, grads, loss_sum, weight = tf.while_loop(
-            lambda i, *_: i < self.accumulation_steps,
-            body,
-            (tf.constant(0), zeros, tf.constant(0.0), tf.constant(0.0)),
-        )
-        return grads, loss_sum, weight
+        names = self.metric_names(tf.nest.map_structure(tf.TensorSpec.from_tensor, micro_batch(0)))
+        zero_sums = _weighted_sums(Loss(0.0, 0.0, {name: 0.0 for name in names}))
+        _, grads, sums = tf.while_loop(
+            lambda i, *_: i < self.accumulation_steps, body, (tf.constant(0), zeros, zero_sums))
+        return grads, sums
 
-    def _micro_step(self, micro_batch: Batch, variables: list) -> tuple[list, tf.Tensor, tf.Tensor]:
+    def metric_names(self, batch_spec: Any) -> list[str]:
+        """The names of the metrics `loss_fn` returns beside the loss, for batches of `batch_spec`
+        (a structure of `tf.TensorSpec`; the batch dimension is ignored).
+
+        Loops that carry the metrics must know them before they trace their body, so the forward
+        pass and the loss are traced once more on their own (never run) to read them.
+        """
+        if self._traced_metric_names is None:
+            names = []
+
+            def forward_and_loss(batch):
+                outputs = forward(self.model, self.policy, self.input_fn(batch), training=True)
+                names.extend(as_loss(self.loss_fn(outputs, batch)).metrics)
+
+            spec = tf.nest.map_structure(
+                lambda s: tf.TensorSpec([None, *s.shape[1:]], s.dtype), batch_spec)
+            tf.function(forward_and_loss).get_concrete_function(spec)
+            self._traced_metric_names = names
+        return self._traced_metric_names
+
+    def _micro_step(self, micro_batch: Batch, variables: list) -> tuple[list, dict[str, Any]]:
         """Forward in the compute dtype, loss in float32, scaled backward, unscaled float32 gradients.
 
         The scale multiplies the micro-batch's *mean* loss (sum / weight), so a token-weighted sum
@@ -193,17 +217,16 @@ class TrainStep:
         back onto the gradients in float32, which keeps the accumulated update exactly token-weighted.
         """
         with tf.GradientTape() as tape:
-            inputs = self.policy.cast_to_compute(self.input_fn(micro_batch))
-            outputs = self.policy.cast_to_output(self.model(inputs, training=True))
-            loss_sum, weight = as_sum_and_weight(self.loss_fn(outputs, micro_batch))
-            scaled_loss = self.loss_scale.scale_loss(per_weight(loss_sum, tf.stop_gradient(weight)))
+            outputs = forward(self.model, self.policy, self.input_fn(micro_batch), training=True)
+            loss = as_loss(self.loss_fn(outputs, micro_batch))
+            scaled_loss = self.loss_scale.scale_loss(per_weight(loss.value, tf.stop_gradient(loss.weight)))
         scaled_grads = tape.gradient(scaled_loss, variables)
         # Which variables the loss does not reach is known while tracing. They get zero gradients
         # here, which change neither the norm nor the finiteness check, and no update (see _apply).
         self.unused_variables = [grad is None for grad in scaled_grads]
         grads = self.loss_scale.unscale(
             [tf.zeros(v.shape, tf.float32) if g is None else g for g, v in zip(scaled_grads, variables)])
-        return [_times_weight(g, weight) for g in grads], loss_sum, weight
+        return [_times_weight(g, loss.weight) for g in grads], _weighted_sums(loss)
 
     def _apply(self, grads: Any) -> tf.Tensor:
         """Applies the (per-replica) gradients to the float32 master weights on every replica."""
@@ -230,6 +253,13 @@ class TrainStep:
 def masked_paths(variables: list, mask: tf.Variable) -> list[str]:
     """Paths of the `variables` whose entry in the boolean `mask` is True."""
     return [v.path for v, marked in zip(variables, mask.numpy()) if marked]
+
+
+def _weighted_sums(loss: Loss) -> dict[str, Any]:
+    """A micro-batch's loss, weight and metrics (times the weight): sums to add up over
+    micro-batches and replicas, and to divide by the total weight at the end."""
+    return {"loss": loss.value, "weight": loss.weight,
+            "metrics": {name: value * loss.weight for name, value in loss.metrics.items()}}
 
 
 def per_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:

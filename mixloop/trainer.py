@@ -17,11 +17,12 @@ import tensorflow as tf
 from absl import logging
 
 from mixloop import (checkpointing, controller, distribution, guard, layer_precision, optimizers,
-                     precision_setup)
+                     precision_setup, reporting)
 from mixloop.config import ConfigError
 from mixloop.errors import UserError
 from mixloop.loss_scale import DynamicLossScale
-from mixloop.step import Batch, TrainStep, default_input_fn, masked_paths
+from mixloop.loss import LossOutput, as_loss
+from mixloop.step import Batch, TrainStep, default_input_fn, forward, masked_paths
 
 
 class Trainer:
@@ -68,6 +69,8 @@ class Trainer:
             self.first_nonfinite = tf.Variable(tf.zeros_like(self.train_step.nonfinite_gradients),
                                                trainable=False, name="first_nonfinite")
         self._train_data, self.eval_data = self.build_datasets()
+        self.train_metric_names = self.train_step.metric_names(self._train_data.element_spec)
+        reporting.check_metric_names(self.train_metric_names)
         # The default strategy's plain tf.data iterator is checkpointed itself. TensorFlow cannot
         # checkpoint a distributed one, so other strategies make theirs on first use, fast-forwarded
         # by the restored step (`train_iterator`).
@@ -101,16 +104,16 @@ class Trainer:
         (`config.train.repeat_dataset` asks the framework to repeat it)."""
         raise NotImplementedError("a Trainer subclass must define build_datasets()")
 
-    def compute_loss(self, outputs: Any, batch: Batch) -> Any:
-        """Returns a float32 scalar mean loss, or a (loss_sum, weight) pair, from float32 outputs."""
+    def compute_loss(self, outputs: Any, batch: Batch) -> LossOutput:
+        """Returns a float32 scalar mean loss, a (loss_sum, weight) pair, or a `mixloop.Loss` with
+        train metrics, from float32 outputs."""
         raise NotImplementedError("a Trainer subclass must define compute_loss()")
 
     def eval_metrics(self, outputs: Any, batch: Batch) -> dict[str, tf.Tensor]:
-        """Returns the eval metrics of one batch; each is averaged over the eval batches."""
-        loss = self.compute_loss(outputs, batch)
-        if isinstance(loss, (tuple, list)):
-            loss = loss[0] / loss[1]
-        return {"loss": loss}
+        """Returns the eval metrics of one batch; each is averaged over the eval batches. By default
+        the loss per weight and the metrics `compute_loss` returns in a `mixloop.Loss`."""
+        loss = as_loss(self.compute_loss(outputs, batch))
+        return {"loss": loss.value / loss.weight, **loss.metrics}
 
     def build_optimizer(self) -> keras.optimizers.Optimizer:
         """Returns the optimizer; by default the one `config.optimizer` names."""
@@ -137,10 +140,17 @@ class Trainer:
             "stop_reason": tf.constant(guard.CONTINUE), "last_loss": tf.constant(0.0),
             "last_scale": tf.constant(0.0), "last_inputs_finite": tf.constant(True),
             "last_grads_finite": tf.constant(True),
+            # The train metrics, weighted by each update's total loss weight.
+            "metric_sums": {name: tf.constant(0.0) for name in self.train_metric_names},
+            "metric_weight": tf.constant(0.0),
         }
         for _ in tf.range(num_steps):
             metrics = self.train_step(next(iterator))
             applied = metrics["applied"]
+            totals["metric_sums"] = {
+                name: total + metrics["train_metrics"][name] * metrics["weight"]
+                for name, total in totals["metric_sums"].items()}
+            totals["metric_weight"] += metrics["weight"]
             finite_loss = tf.math.is_finite(metrics["loss"])
             totals["loss_sum"] += tf.where(finite_loss, metrics["loss"], 0.0)
             totals["num_finite_loss"] += tf.cast(finite_loss, tf.float32)
@@ -164,8 +174,7 @@ class Trainer:
 
     @tf.function
     def _eval_step(self, batch: Batch) -> dict[str, tf.Tensor]:
-        inputs = self.policy.cast_to_compute(self.model_inputs(batch))
-        outputs = self.policy.cast_to_output(self.model(inputs, training=False))
+        outputs = forward(self.model, self.policy, self.model_inputs(batch), training=False)
         return {name: tf.cast(value, tf.float32) for name, value in self.eval_metrics(outputs, batch).items()}
 
     def evaluate(self) -> dict[str, float]:

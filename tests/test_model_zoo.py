@@ -16,7 +16,8 @@ import mixloop
 from mixloop.layer_precision import named_layers
 from mixloop.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.policy import Policy
-from mixloop.step import as_sum_and_weight
+from mixloop.loss import as_loss
+from mixloop.step import forward
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -145,9 +146,8 @@ BODY_LAYERS = {  # a layer that must compute in the policy's dtype
 
 def eval_loss(model, policy, batch, loss_fn):
     """The loss of the model's forward pass in `policy`, dropout off."""
-    outputs = policy.cast_to_output(model(policy.cast_to_compute(batch[0]), training=False))
-    loss_sum, weight = as_sum_and_weight(loss_fn(outputs, batch))
-    return float(loss_sum / weight)
+    loss = as_loss(loss_fn(forward(model, policy, batch[0], training=False), batch))
+    return float(loss.value / loss.weight)
 
 
 def train(name, policy_name, weights=None):

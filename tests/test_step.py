@@ -543,3 +543,44 @@ def test_token_sum_and_weight_skips_no_more_updates_than_the_token_mean():
     plain_sum = skipped_updates(lambda outputs, batch: token_ce_sum_and_count(outputs, batch)[0])
     assert pair <= mean + 1
     assert plain_sum >= mean + 3, (plain_sum, mean)  # measured: 3 against 0
+
+
+# Train metrics returned in a mixloop.Loss are weight-averaged over micro-batches.
+
+def token_loss_with_metrics(outputs, batch):
+    _, targets, mask = batch
+    errors = tf.abs(outputs[..., 0] - targets)
+    loss_sum, count = token_sum_and_count(outputs, batch)
+    return mixloop.Loss(loss_sum, count, metrics={
+        "abs_error": tf.reduce_sum(mask * errors) / count,  # a per-token mean of this micro-batch
+        "large_error_rate": tf.reduce_sum(mask * tf.cast(errors > 1.0, tf.float32)) / count})
+
+
+@JIT
+def test_train_metrics_are_the_full_batch_token_means_whatever_the_accumulation(jit_compile):
+    rng = np.random.default_rng(0)
+    batch = (tf.constant(rng.normal(size=(4, SEQ_LEN, NUM_FEATURES)), tf.float32),
+             tf.constant(rng.normal(size=(4, SEQ_LEN)), tf.float32), tf.constant(TOKEN_MASK))
+    weights = mixloop.build_model(sequence_model, Policy.from_string("float32")).get_weights()
+    reference = mixloop.build_model(sequence_model, Policy.from_string("float32"))
+    reference.set_weights(weights)
+    errors = np.abs(reference(batch[0])[..., 0].numpy() - batch[1].numpy())
+    expected = {"abs_error": (errors * TOKEN_MASK).sum() / TOKEN_MASK.sum(),
+                "large_error_rate": ((errors > 1.0) * TOKEN_MASK).sum() / TOKEN_MASK.sum()}
+    assert 0.0 < expected["large_error_rate"] < 1.0  # the rate can tell the weighting apart
+
+    for num_micro_batches in (1, 2, 4):
+        step = make_step(build_fn=sequence_model, weights=weights, loss_fn=token_loss_with_metrics,
+                         accumulation_steps=num_micro_batches, jit_compile=jit_compile)
+        metrics = step(batch)["train_metrics"]
+        assert sorted(metrics) == ["abs_error", "large_error_rate"]
+        for name, value in expected.items():
+            assert float(metrics[name]) == pytest.approx(value, rel=1e-5), (name, num_micro_batches)
+
+
+def test_a_per_example_loss_vector_is_a_one_line_contract_error():
+    step = make_step(loss_fn=lambda outputs, batch: tf.square(outputs - batch[1])[:, 0])
+    with pytest.raises(TypeError, match=r"compute_loss must return a scalar mean, \(loss_sum, "
+                                        r"weight\) or mixloop.Loss\(value, weight, metrics\) of "
+                                        r"scalars; the loss has shape \(8,\)"):
+        step(regression_batch())

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import mixloop
 import tiny_experiment
 from mixloop.config import ConfigError
+from mixloop.errors import UserError
 from mixloop.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.precision_setup import make_loss_scale, make_policy
 from mixloop.trainer import resolve_jit_compile
@@ -136,3 +138,53 @@ def test_the_default_step_compiles_with_xla_on_one_device_and_without_on_two(tmp
     two = make_trainer(tmp_path / "two", distribution="mirrored")
     assert one.jit_compile and one.train_step._compiled._jit_compile
     assert not two.jit_compile and not two.train_step._compiled._jit_compile
+
+
+class MetricTrainer(tiny_experiment.TinyTrainer):
+    """The tiny experiment with a train metric beside its loss."""
+
+    metric_name = "accuracy"
+    eval_metrics = mixloop.Trainer.eval_metrics  # the default: the loss and the train metrics
+
+    def compute_loss(self, outputs, batch):
+        correct = tf.equal(tf.argmax(outputs, -1, output_type=tf.int32), batch[1])
+        return mixloop.Loss(super().compute_loss(outputs, batch),
+                            metrics={self.metric_name: tf.reduce_mean(tf.cast(correct, tf.float32))})
+
+
+def train_metric_run(workdir, **overrides):
+    config = tiny_experiment.get_config()
+    config.precision.policy = "float32"
+    config.model.dropout = 0.0  # Replicas draw their own dropout masks.
+    config.deterministic = True
+    for key, value in overrides.items():
+        section, _, field = key.rpartition(".")
+        (config[section] if section else config)[field] = value
+    trainer = MetricTrainer(config, str(workdir))
+    trainer.train()
+    return read_events(workdir / "train")
+
+
+def test_a_train_metric_is_written_and_logged_the_same_whatever_accumulation_and_replicas(tmp_path, caplog):
+    caplog.set_level("INFO")
+    runs = {name: train_metric_run(tmp_path / name, **overrides) for name, overrides in {
+        "k2": {}, "k1": {"train.accumulation_steps": 1}, "k4": {"train.accumulation_steps": 4},
+        "mirrored": {"distribution": "mirrored"}}.items()}
+    reference = runs["k2"]["accuracy"]
+    assert [step for step, _ in reference] == [10, 20, 30, 40]
+    assert 0.4 < reference[-1][1] <= 1.0 and reference[-1][1] > reference[0][1]
+    for name, events in runs.items():
+        np.testing.assert_allclose([v for _, v in events["accuracy"]], [v for _, v in reference],
+                                   rtol=1e-5, err_msg=name)
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 40/40")]
+    assert progress and f"accuracy {reference[-1][1]:.4f}" in progress[0]
+    assert {"loss", "accuracy"} <= set(read_events(tmp_path / "k2" / "eval"))
+
+
+def test_a_train_metric_named_like_a_built_in_tag_is_refused(tmp_path):
+    class ClashingTrainer(MetricTrainer):
+        metric_name = "loss_scale"
+
+    with pytest.raises(UserError, match="compute_loss returns a metric named 'loss_scale', which the "
+                                        "framework writes itself; rename it"):
+        ClashingTrainer(tiny_experiment.get_config(), str(tmp_path))
