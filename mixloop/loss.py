@@ -7,6 +7,12 @@ from typing import Any, Mapping, Union
 
 import tensorflow as tf
 
+from mixloop.errors import UserError
+
+
+class LossContractError(UserError, TypeError):
+    """A loss function returned something other than the forms `as_loss` reads."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Loss:
@@ -34,8 +40,8 @@ def as_loss(output: LossOutput) -> Loss:
     `(loss_sum, weight)`.
 
     Raises:
-      TypeError: for a value, weight or metric that is not a scalar (a per-example loss vector),
-        naming which and the accepted forms.
+      LossContractError: for a value, weight or metric that is not a scalar (a per-example loss
+        vector), naming which and the accepted forms.
     """
     if isinstance(output, Loss):
         loss = output
@@ -52,7 +58,7 @@ def as_loss(output: LossOutput) -> Loss:
 def _float32_scalar(value: Any, what: str) -> tf.Tensor:
     tensor = tf.cast(value, tf.float32)
     if tensor.shape.rank != 0:
-        raise TypeError(
+        raise LossContractError(
             f"compute_loss must return a scalar mean, (loss_sum, weight) or mixloop.Loss(value, "
             f"weight, metrics) of scalars; {what} has shape {tuple(tensor.shape)}")
     return tensor

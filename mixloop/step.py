@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import keras
 import tensorflow as tf
 
-from mixloop.loss import Loss, LossOutput, as_loss
+from mixloop.loss import Loss, LossContractError, LossOutput, as_loss
 from mixloop.loss_scale import NoLossScale, _LossScale, leaves_finite
 from mixloop.policy import Policy
 
@@ -197,15 +197,20 @@ class TrainStep:
         pass and the loss are traced once more on their own (never run) to read them.
         """
         if self._traced_metric_names is None:
-            names = []
+            names, errors = [], []
 
             def forward_and_loss(batch):
                 outputs = forward(self.model, self.policy, self.input_fn(batch), training=True)
-                names.extend(as_loss(self.loss_fn(outputs, batch)).metrics)
+                try:
+                    names.extend(as_loss(self.loss_fn(outputs, batch)).metrics)
+                except LossContractError as error:  # Autograph would wrap it in many lines.
+                    errors.append(error)
 
             spec = tf.nest.map_structure(
                 lambda s: tf.TensorSpec([None, *s.shape[1:]], s.dtype), batch_spec)
             tf.function(forward_and_loss).get_concrete_function(spec)
+            if errors:
+                raise errors[0]
             self._traced_metric_names = names
         return self._traced_metric_names
 

@@ -57,6 +57,11 @@ def trained_workdir(tmp_path_factory):
     ([f"--config={TINY_CONFIG}", "--config.trainer=no_such_module.Trainer"],
      "config.trainer='no_such_module.Trainer' does not import"),
     ([f"--config={TINY_CONFIG}", "--config.model.width=32"], "does not match this run's model"),
+    ([f"--config={TINY_CONFIG}", "--config.precision.float32_layers=dense_typo"],
+     "config.precision.float32_layers='dense_typo' fully matches no layer path; paths look like: "),
+    ([f"--config={TINY_CONFIG}", "--config.model.per_example_loss=True"],
+     "compute_loss must return a scalar mean, (loss_sum, weight) or mixloop.Loss(value, weight, "
+     "metrics) of scalars; the loss has shape (None,)"),
 ])
 def test_bad_input_is_one_line_and_leaves_the_workdir(trained_workdir, args, message):
     before = snapshot(trained_workdir)

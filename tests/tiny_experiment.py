@@ -30,9 +30,9 @@ class TinyTrainer(mixloop.Trainer):
         return train, data.take(128).batch(64)
 
     def compute_loss(self, outputs, batch):
-        return tf.reduce_mean(
-            keras.losses.sparse_categorical_crossentropy(batch[1], outputs, from_logits=True)
-        )
+        losses = keras.losses.sparse_categorical_crossentropy(batch[1], outputs, from_logits=True)
+        # A contract error on purpose: a per-example vector instead of a mean.
+        return losses if self.config.model.per_example_loss else tf.reduce_mean(losses)
 
     def eval_metrics(self, outputs, batch):
         correct = tf.equal(tf.argmax(outputs, -1, output_type=tf.int32), batch[1])
@@ -45,6 +45,7 @@ def get_config(arg=None):
     config.trainer = "tiny_experiment.TinyTrainer"
     config.model.width = 16  # Hidden units.
     config.model.dropout = 0.1  # Dropout rate after the hidden layer.
+    config.model.per_example_loss = False  # True: compute_loss breaks its contract (error tests).
     config.precision.policy = "mixed_float16"
     config.train.num_steps = 40
     config.train.batch_size = 32
