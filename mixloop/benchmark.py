@@ -178,8 +178,7 @@ def mixloop_variant(name: str, config: ml_collections.ConfigDict, trainer_class:
 
     def run() -> None:
         totals = trainer._train_loop(trainer.train_iterator, num_steps)
-        for value in totals.values():  # Read back, as the outer loop does after every call.
-            value.numpy()
+        tf.nest.map_structure(lambda value: value.numpy(), totals)  # Read back, as the outer loop does.
 
     return Variant(name, *_settings(config), run)
 

@@ -1,10 +1,15 @@
 """The shipped experiments run end to end through the CLI in their quick variants."""
 
+import importlib
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from mixloop.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,6 +42,51 @@ def test_digits_quick(tmp_path):
     result = run_cli("--config=experiments/digits.py:quick", f"--workdir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert 0.0 <= last_eval(result.stderr)["accuracy"] <= 1.0
+
+
+def test_bert_mlm_quick(tmp_path):
+    pytest.importorskip("keras_hub")
+    result = run_cli("--config=experiments/bert_mlm.py:quick", f"--workdir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    unigram = float(re.search(r"unigram entropy ([0-9.]+) nats/byte", result.stderr).group(1))
+    metrics = last_eval(result.stderr)
+    # Below the unigram entropy of the bytes: the backbone reads the context around each mask.
+    assert metrics["loss"] < unigram - 0.1, (metrics, unigram)
+    assert 0.0 < metrics["accuracy"] <= 1.0
+    assert (tmp_path / "model.keras").exists()
+
+
+@pytest.fixture
+def bert_mlm(monkeypatch):
+    """The experiment module, imported as the CLI imports it: from the repository root."""
+    monkeypatch.syspath_prepend(REPO)
+    return importlib.import_module("experiments.bert_mlm")
+
+
+def test_bert_mlm_cuts_whole_lines_and_masks_only_text(bert_mlm):
+    text = np.frombuffer(b"ab\ncdefghijklm\nx\ny\n\nzz", np.uint8)
+    tokens = bert_mlm.line_chunks(text, seq_len=5)
+    chunks = [bytes((row[row != bert_mlm.PAD] - bert_mlm.NUM_SPECIAL).astype(np.uint8))
+              for row in tokens]
+    # Lines pack greedily; the line too long for a chunk is cut, its tail packs with what follows.
+    assert chunks == [b"ab\n", b"cdefg", b"hijkl", b"m\nx\n", b"y\n\nzz"]
+    assert tokens[0].tolist() == [ord("a") + 2, ord("b") + 2, ord("\n") + 2, 0, 0]
+
+    tokens = np.tile(tokens, (2000, 1))
+    inputs, targets = bert_mlm.mask_tokens(tokens, 0.15, np.random.default_rng(0))
+    is_target = targets != 0
+    assert not (is_target & (tokens == bert_mlm.PAD)).any()
+    np.testing.assert_array_equal(targets[is_target], tokens[is_target])
+    np.testing.assert_array_equal(inputs[~is_target], tokens[~is_target])
+    assert is_target.sum() / (tokens != bert_mlm.PAD).sum() == pytest.approx(0.15, abs=0.01)
+    assert (inputs[is_target] == bert_mlm.MASK).mean() == pytest.approx(0.8, abs=0.02)
+    assert inputs.min() >= 0 and inputs.max() < bert_mlm.VOCAB_SIZE
+
+
+def test_bert_mlm_without_keras_hub_is_one_user_error(bert_mlm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "keras_hub", None)  # `import keras_hub` raises ImportError.
+    with pytest.raises(UserError, match="pip install keras-hub"):
+        bert_mlm.import_keras_hub()
 
 
 def test_unknown_variant_is_one_line(tmp_path):
