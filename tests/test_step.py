@@ -379,6 +379,13 @@ def sequence_model():
     return keras.Model(inputs, keras.layers.Dense(1, name="logits")(hidden))
 
 
+def masked_token_batch():
+    """Features, targets and TOKEN_MASK for four sequences."""
+    rng = np.random.default_rng(0)
+    return (tf.constant(rng.normal(size=(4, SEQ_LEN, NUM_FEATURES)), tf.float32),
+            tf.constant(rng.normal(size=(4, SEQ_LEN)), tf.float32), tf.constant(TOKEN_MASK))
+
+
 def token_sum_and_count(outputs, batch):
     _, targets, mask = batch
     return tf.reduce_sum(mask * tf.square(outputs[..., 0] - targets)), tf.reduce_sum(mask)
@@ -391,9 +398,7 @@ def token_mean(outputs, batch):
 
 @JIT
 def test_token_weighted_accumulation_equals_the_full_batch_token_mean(jit_compile):
-    rng = np.random.default_rng(0)
-    batch = (tf.constant(rng.normal(size=(4, SEQ_LEN, NUM_FEATURES)), tf.float32),
-             tf.constant(rng.normal(size=(4, SEQ_LEN)), tf.float32), tf.constant(TOKEN_MASK))
+    batch = masked_token_batch()
     weights = mixloop.build_model(sequence_model, Policy.from_string("float32")).get_weights()
 
     def update(loss_fn, num_micro_batches):
@@ -558,9 +563,7 @@ def token_loss_with_metrics(outputs, batch):
 
 @JIT
 def test_train_metrics_are_the_full_batch_token_means_whatever_the_accumulation(jit_compile):
-    rng = np.random.default_rng(0)
-    batch = (tf.constant(rng.normal(size=(4, SEQ_LEN, NUM_FEATURES)), tf.float32),
-             tf.constant(rng.normal(size=(4, SEQ_LEN)), tf.float32), tf.constant(TOKEN_MASK))
+    batch = masked_token_batch()
     weights = mixloop.build_model(sequence_model, Policy.from_string("float32")).get_weights()
     reference = mixloop.build_model(sequence_model, Policy.from_string("float32"))
     reference.set_weights(weights)
