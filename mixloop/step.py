@@ -122,7 +122,15 @@ class TrainStep:
         self._compiled = tf.function(self.step, jit_compile=jit_compile)
 
     def __call__(self, batch: Batch) -> dict[str, tf.Tensor]:
-        """Runs the compiled step on one global batch."""
+        """Runs the compiled step on one global batch.
+
+        Raises:
+          LossContractError: on the first call, when `loss_fn` returns what `as_loss` cannot read
+            (raised here, before tracing, where TensorFlow would wrap it in its staging error).
+        """
+        if self._traced_metric_names is None:
+            self.metric_names(tf.nest.map_structure(
+                lambda t: tf.TensorSpec.from_tensor(self._first_replica(t)), batch))
         return self._compiled(batch)
 
     def step(self, batch: Batch) -> dict[str, tf.Tensor]:
