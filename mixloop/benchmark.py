@@ -174,11 +174,9 @@ def mixloop_variant(name: str, config: ml_collections.ConfigDict, trainer_class:
     """`trainer_class` on `data`, its compiled inner loop called as the outer loop calls it: one call
     of steps_per_loop updates, then its totals read back to the host."""
     trainer = _with_data(trainer_class, data)(config, workdir)
-    num_steps = tf.constant(config.train.steps_per_loop)
 
     def run() -> None:
-        totals = trainer._train_loop(trainer.train_iterator, num_steps)
-        tf.nest.map_structure(lambda value: value.numpy(), totals)  # Read back, as the outer loop does.
+        trainer.train_loop(config.train.steps_per_loop)  # Totals read back, as the outer loop does.
 
     return Variant(name, *_settings(config), run)
 

@@ -62,6 +62,8 @@ def base_config() -> ml_collections.ConfigDict:
     config.train.repeat_dataset = False  # Repeat the train data; if False, its end stops the run.
     config.train.max_consecutive_skips = 50  # Skipped updates in a row that stop the run; 0: never.
     config.train.max_recoveries = 0  # On divergence, restore the last checkpoint this many times.
+    # EMA of the weights over applied updates, for eval and the export; 0 disables (e.g. 0.999).
+    config.train.ema_decay = 0.0
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.name = "adamw"  # sgd, momentum, adam or adamw.
@@ -173,6 +175,8 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
              t.accumulation_steps, f"a divisor of train.batch_size={t.batch_size}")
     _require(_is_number(t.clip_global_norm) and t.clip_global_norm >= 0, "train.clip_global_norm",
              t.clip_global_norm, "a non-negative number (0 disables clipping)")
+    _require(_is_number(t.ema_decay) and 0 <= t.ema_decay < 1, "train.ema_decay", t.ema_decay,
+             "a number in [0, 1) (0 disables the EMA; e.g. 0.999)")
     _require(o.name in OPTIMIZERS, "optimizer.name", o.name, f"one of {', '.join(OPTIMIZERS)}")
     _require(o.schedule in SCHEDULES, "optimizer.schedule", o.schedule, f"one of {', '.join(SCHEDULES)}")
     _require(_is_number(o.learning_rate) and o.learning_rate > 0, "optimizer.learning_rate",

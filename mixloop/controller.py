@@ -48,11 +48,11 @@ class _StopRequest:
         self.signal_number = signal_number
 
 
-def _loop_length(trainer: "Trainer", step: int, last_step: int) -> int:
-    """Steps to the next boundary: steps_per_loop, or sooner at a log, eval or checkpoint step."""
+def _loop_length(trainer: "Trainer", actions: list, step: int, last_step: int) -> int:
+    """Steps to the next boundary: steps_per_loop, or sooner at a log, eval, checkpoint or action step."""
     c = trainer.config
     cadences = (c.train.steps_per_loop, c.train.log_every_steps, c.eval.every_steps,
-                c.checkpoint.every_steps)
+                c.checkpoint.every_steps, *(action.every_steps for action in actions))
     return min([every - step % every for every in cadences if every] + [last_step - step])
 
 
@@ -105,20 +105,19 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
     num_batches = trainer.num_train_batches()
     last_step = num_steps if num_batches is None else min(num_steps, num_batches)
     writer = reporting.MetricWriter(trainer.workdir, enabled=trainer.is_chief)
+    actions = trainer.actions()
     step = int(trainer.global_step.numpy())
     if step >= num_steps:
         logging.info("Already trained to step %d of %d; nothing to do.", step, num_steps)
     metrics: dict[str, float] = {}
-    interval = reporting.Interval(step, trainer.skipped_total.numpy())
-    recoveries = 0
+    interval = reporting.Interval(step, trainer.state.skipped_totals())
+    recoveries, logged_first_skip = 0, False
     while stop.signal_number is None:
         if step >= last_step:
             return metrics, guard.END_OF_DATA if step < num_steps else guard.CONTINUE
         started = time.perf_counter()
         try:
-            totals = trainer._train_loop(trainer.train_iterator,
-                                         tf.constant(_loop_length(trainer, step, last_step)))
-            totals = tf.nest.map_structure(lambda value: value.numpy(), totals)
+            totals = trainer.train_loop(_loop_length(trainer, actions, step, last_step))
         except tf.errors.InvalidArgumentError as error:
             raise UserError(f"the train step failed near step {step + 1}: {_op_error_summary(error)}"
                             ) from None
@@ -126,27 +125,40 @@ def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float]
             return metrics, guard.END_OF_DATA
         interval.add(totals, time.perf_counter() - started)
         step = int(trainer.global_step.numpy())
-        _log_first_skip(trainer, interval)
-        reason = int(totals["stop_reason"])
-        if reason in (guard.NONFINITE_LOSS, guard.TOO_MANY_SKIPS, guard.OVERFLOW_AT_MIN_SCALE):
-            message = _divergence_message(trainer, reason, totals)
+        logged_first_skip = logged_first_skip or _log_first_skip(trainer, interval)
+        diverged = _divergence(trainer, totals)
+        if diverged:
             if recoveries >= config.train.max_recoveries:
-                raise guard.TrainingDiverged(message)  # Before any save: no bad checkpoint.
+                raise guard.TrainingDiverged(diverged)  # Before any save: no bad checkpoint.
             recoveries += 1
-            _recover(trainer, message, recoveries)
+            _recover(trainer, diverged, recoveries)
             step = int(trainer.global_step.numpy())
-            interval = reporting.Interval(step, trainer.skipped_total.numpy())
+            interval = reporting.Interval(step, trainer.state.skipped_totals())
             continue
         if _is_due(trainer, step, config.train.log_every_steps) or step == last_step:
             metrics.update(_report_train(trainer, writer, step, interval))
-            interval = reporting.Interval(step, trainer.skipped_total.numpy())
+            interval = reporting.Interval(step, trainer.state.skipped_totals())
+        _run_actions(writer, "train", step, [a for a in actions if a.is_due(step)])
         if stop.signal_number is not None:  # Save at once: a scheduler's grace period is short.
             break
-        if _is_due(trainer, step, config.eval.every_steps) and trainer.eval_data is not None:
-            metrics.update(_report_eval(trainer, writer, step))
+        if _is_due(trainer, step, config.eval.every_steps):
+            if trainer.eval_data is not None:
+                metrics.update(_report_eval(trainer, writer, step))
+            with trainer.ema_weights():  # Eval-time actions see the weights eval saw.
+                _run_actions(writer, "eval", step, [a for a in actions if a.at_eval])
         if _is_due(trainer, step, config.checkpoint.every_steps):
             _save(trainer, step)
     return metrics, guard.CONTINUE
+
+
+def _run_actions(writer: reporting.MetricWriter, split: str, step: int, due: list) -> None:
+    """Runs the `due` actions with the `split` TensorBoard writer as the default summary writer."""
+    if not due:
+        return
+    with writer.as_default(split):
+        for action in due:
+            action.fn(step)
+    writer.flush(split)
 
 
 def _op_error_summary(error: tf.errors.OpError) -> str:
@@ -160,15 +172,27 @@ def _op_error_summary(error: tf.errors.OpError) -> str:
     return summary
 
 
-def _divergence_message(trainer: "Trainer", reason: int, totals: dict) -> str:
+def _divergence(trainer: "Trainer", totals: dict) -> str:
+    """The divergence message for the first objective whose guard stopped the loop, or ''."""
+    for name, objective_totals in totals["objectives"].items():
+        reason = int(objective_totals["stop_reason"])
+        if reason in (guard.NONFINITE_LOSS, guard.TOO_MANY_SKIPS, guard.OVERFLOW_AT_MIN_SCALE):
+            return _divergence_message(trainer, reason, name, objective_totals,
+                                       bool(totals["last_inputs_finite"]))
+    return ""
+
+
+def _divergence_message(trainer: "Trainer", reason: int, objective: str, totals: dict,
+                        inputs_finite: bool) -> str:
     message = guard.describe(
-        reason, step=int(trainer.global_step.numpy()), loss=float(totals["last_loss"]),
-        inputs_finite=bool(totals["last_inputs_finite"]),
+        reason, step=int(trainer.global_step.numpy()),
+        objective=objective if len(trainer.objectives) > 1 else None,
+        loss=float(totals["last_loss"]), inputs_finite=inputs_finite,
         grads_finite=bool(totals["last_grads_finite"]), xla=trainer.jit_compile,
         scale=float(totals["last_scale"]),
-        consecutive_skips=int(trainer.consecutive_skips.numpy()),
+        consecutive_skips=int(trainer.state.skips[objective].consecutive_skips.numpy()),
         max_consecutive_skips=trainer.config.train.max_consecutive_skips,
-        nonfinite_paths=trainer.nonfinite_variable_paths(),
+        nonfinite_paths=trainer.nonfinite_variable_paths(objective),
     )
     last_good = tf.train.latest_checkpoint(trainer.resume_directory())
     return f"{message}; last good checkpoint: {last_good or 'none yet'}"
@@ -184,21 +208,27 @@ def _recover(trainer: "Trainer", message: str, recoveries: int) -> None:
     trainer.restore_weights(path)
 
 
-def _log_first_skip(trainer: "Trainer", interval: reporting.Interval) -> None:
-    """Names, once per run, the variables behind the first non-finite update."""
-    if trainer.logged_first_skip or interval.skipped(trainer.skipped_total.numpy()) == 0:
-        return
-    trainer.logged_first_skip = True
-    logging.info("First skipped update (non-finite gradients) by step %d: non-finite in %s",
-                 int(trainer.global_step.numpy()),
-                 guard.describe_variables(trainer.nonfinite_variable_paths()))
+def _log_first_skip(trainer: "Trainer", interval: reporting.Interval) -> bool:
+    """Names the variables behind the first non-finite update; returns whether there was one."""
+    skipped = interval.skipped(trainer.state.skipped_totals())
+    objective = next((name for name, count in skipped.items() if count), None)
+    if objective is None:
+        return False
+    where = f" of objective {objective!r}" if len(skipped) > 1 else ""
+    logging.info("First skipped update%s (non-finite gradients) by step %d: non-finite in %s",
+                 where, int(trainer.global_step.numpy()),
+                 guard.describe_variables(trainer.nonfinite_variable_paths(objective)))
+    return True
 
 
 def _report_train(trainer: "Trainer", writer: reporting.MetricWriter, step: int,
                   interval: reporting.Interval) -> dict:
-    scalars = interval.summary(step, trainer.skipped_total.numpy(), trainer.config.train.batch_size)
-    scalars["loss_scale"] = float(trainer.loss_scale.scale.numpy())
-    scalars["learning_rate"] = float(keras.ops.convert_to_numpy(trainer.optimizer.learning_rate))
+    scalars = interval.summary(step, trainer.state.skipped_totals(), trainer.config.train.batch_size)
+    for name, objective in trainer.objectives.items():
+        scalars[reporting.tag("loss_scale", name, trainer.objectives)] = float(
+            objective.loss_scale.scale.numpy())
+        scalars[reporting.tag("learning_rate", name, trainer.objectives)] = float(
+            keras.ops.convert_to_numpy(objective.optimizer.learning_rate))
     writer.write("train", step, scalars)
     reporting.log_progress(step, trainer.config.train.num_steps, scalars)
     return scalars

@@ -7,11 +7,12 @@ outer loop turns the reason into one message with the step, the scale and the of
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
 from mixloop.errors import UserError
+from mixloop.loss_scale import DynamicLossScale
 
 CONTINUE = 0
 END_OF_DATA = 1
@@ -35,7 +36,7 @@ def stop_reason(
     """An int32 reason code for the update just made (`CONTINUE` when all is well).
 
     Args:
-      metrics: the train step's metrics (loss, grads_finite, loss_scale).
+      metrics: one objective's report from the train step (loss, grads_finite, loss_scale).
       consecutive_skips: skipped updates in a row, this one included.
       max_consecutive_skips: that many in a row stop the run; 0 never does.
       min_scale: the dynamic scale's floor, or None for scales that do not move.
@@ -48,6 +49,16 @@ def stop_reason(
                                metrics["loss_scale"] <= min_scale)
         reason = tf.where(stuck, OVERFLOW_AT_MIN_SCALE, reason)
     return tf.where(tf.math.is_finite(metrics["loss"]), reason, NONFINITE_LOSS)
+
+
+def any_stopping(reasons: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Whether any of the objectives' reason codes says stop."""
+    return tf.reduce_any(tf.not_equal(tf.stack(reasons), CONTINUE))
+
+
+def min_scale(loss_scale: Any) -> Optional[float]:
+    """The floor of a dynamic loss scale, or None for scales that do not move."""
+    return loss_scale.min_scale if isinstance(loss_scale, DynamicLossScale) else None
 
 
 def describe_variables(paths: Sequence[str], limit: int = 6) -> str:
@@ -63,6 +74,7 @@ def describe(
     reason: int,
     *,
     step: int,
+    objective: Optional[str],
     loss: float,
     inputs_finite: bool,
     grads_finite: bool,
@@ -72,7 +84,8 @@ def describe(
     max_consecutive_skips: int,
     nonfinite_paths: Sequence[str],
 ) -> str:
-    """The one-line explanation of why training stopped at `step`."""
+    """The one-line explanation of why training stopped at `step` (naming the objective when
+    there are several)."""
     if reason == NONFINITE_LOSS:
         cause = f"the float32 loss is {loss}"
         if not inputs_finite:
@@ -85,5 +98,6 @@ def describe(
                  f"(train.max_consecutive_skips={max_consecutive_skips})")
     else:
         cause = "the gradients still overflow at the minimum loss scale (precision.min_scale)"
-    return (f"training diverged at step {step}: {cause}; loss scale {scale:g}; "
+    where = f" in objective {objective!r}" if objective else ""
+    return (f"training diverged at step {step}{where}: {cause}; loss scale {scale:g}; "
             f"non-finite gradients first in {describe_variables(nonfinite_paths)}")

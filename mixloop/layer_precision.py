@@ -25,8 +25,8 @@ import re
 from typing import Callable, Iterator
 
 import keras
-from keras.src.backend.common import global_state
 
+from mixloop import keras_adapter
 from mixloop.config import ConfigError
 from mixloop.policy import Policy
 
@@ -60,14 +60,14 @@ def building_under(policy: Policy) -> Iterator[None]:
     aims at the same layers every time.
     """
     previous_policy = keras.config.dtype_policy()
-    previous_names = _name_counters()
+    previous_names = keras_adapter.name_counters()
     keras.config.set_dtype_policy(policy.keras_name)
-    _set_name_counters(None)
+    keras_adapter.set_name_counters(None)
     try:
         yield
     finally:
         keras.config.set_dtype_policy(previous_policy)
-        _set_name_counters(previous_names)
+        keras_adapter.set_name_counters(previous_names)
 
 
 def build_model(
@@ -124,7 +124,7 @@ def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -
         kept.append(Float32Layer(path, reason))
         inside_kept.add(path)
         parent = layers.get(path.rpartition("/")[0], model)
-        if not _output_layers(parent):
+        if not keras_adapter.output_layers(parent):
             _hand_back(layer, policy)
     return kept
 
@@ -153,7 +153,7 @@ def named_layers(model: keras.Model) -> dict[str, keras.layers.Layer]:
     seen: set[int] = set()
 
     def visit(layer: keras.layers.Layer, prefix: str) -> None:
-        for sublayer in _sublayers(layer):
+        for sublayer in keras_adapter.sublayers(layer):
             if id(sublayer) in seen or isinstance(sublayer, keras.layers.InputLayer):
                 continue
             seen.add(id(sublayer))
@@ -197,28 +197,3 @@ def _no_match_message(pattern: str, paths: list[str], max_paths: int = 5) -> str
     examples = close + [path for path in paths if path not in close][: max_paths - len(close)]
     return (f"config.precision.float32_layers={pattern!r} fully matches no layer path; paths look "
             f"like: {', '.join(examples)} (a regex over the whole path, e.g. '.*softmax.*')")
-
-
-# ----- The Keras private names this module reads, each pinned by a test in test_layer_precision.py
-# (test_keras_private_names) that fails loudly when Keras changes it. -----
-
-
-def _sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
-    """The layers `layer` tracks directly (Keras 3 has no public call for this)."""
-    return list(layer._flatten_layers(include_self=False, recursive=False))
-
-
-def _output_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
-    """The layers that produce a functional or sequential model's outputs (none for the rest)."""
-    outputs = getattr(layer, "outputs", None) if isinstance(layer, keras.Model) else None
-    return [tensor._keras_history.operation for tensor in keras.tree.flatten(outputs or [])]
-
-
-def _name_counters():
-    """Keras's per-thread counters behind the numbers of unnamed layers."""
-    return global_state.get_global_attribute("object_name_uids")
-
-
-def _set_name_counters(counters) -> None:
-    """Replaces those counters (None: Keras starts new ones)."""
-    global_state.set_global_attribute("object_name_uids", counters)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Sequence, Union
 
 import tensorflow as tf
 
@@ -53,6 +53,30 @@ def as_loss(output: LossOutput) -> Loss:
                 {name: _float32_scalar(value, f"metric {name!r}")
                  for name, value in sorted(loss.metrics.items())})
     return loss
+
+
+def as_losses(output: Any, objective_names: Sequence[str]) -> dict[str, Loss]:
+    """Reads a loss function's result as one `Loss` per objective: any form of `as_loss` for a single
+    objective; for several, a dict of such forms keyed by exactly the objective names.
+
+    Raises:
+      LossContractError: for a form `as_loss` cannot read, a dict whose keys are not the objective
+        names, or a metric name that two objectives both report.
+    """
+    names = list(objective_names)
+    if len(names) == 1:
+        return {names[0]: as_loss(output)}
+    if not isinstance(output, Mapping) or sorted(output) != sorted(names):
+        got = sorted(output) if isinstance(output, Mapping) else type(output).__name__
+        raise LossContractError(f"with several objectives compute_loss must return a dict with one "
+                                f"loss per objective, keys {sorted(names)}; got {got}")
+    losses = {name: as_loss(output[name]) for name in names}
+    metric_names = [metric for loss in losses.values() for metric in loss.metrics]
+    shared = sorted({metric for metric in metric_names if metric_names.count(metric) > 1})
+    if shared:
+        raise LossContractError(f"two objectives report the metric(s) {shared}; a train metric name "
+                                f"must be unique over the objectives")
+    return losses
 
 
 def _float32_scalar(value: Any, what: str) -> tf.Tensor:

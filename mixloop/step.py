@@ -16,13 +16,16 @@ The order of operations, once per call::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import keras
 import tensorflow as tf
 
-from mixloop.loss import Loss, LossContractError, LossOutput, as_loss
+from mixloop import keras_adapter
+from mixloop.ema import ExponentialMovingAverage
+from mixloop.loss import Loss, LossContractError, as_losses
 from mixloop.loss_scale import NoLossScale, _LossScale, leaves_finite
+from mixloop.objective import SINGLE, Objective, with_loss_scales
 from mixloop.policy import Policy
 
 Batch = Any
@@ -62,157 +65,191 @@ def forward(model: keras.Model, policy: Policy, inputs: Any, *, training: bool) 
 class TrainStep:
     """A compiled train step: forward, scaled backward, accumulation, finiteness check, update.
 
-    Build it inside the `strategy.scope()` it will run under. Calling it with one batch of the global
-    batch size (under a distribution strategy: a distributed batch, each replica its slice) splits
-    the batch into `accumulation_steps` micro-batches and performs at most one optimizer
-    update. It returns a dict of scalars: `loss` (float32, unscaled, averaged by weight over the
-    micro-batches), `loss_scale` (the scale used), `grads_finite` (bool), `grad_norm` (float32, of the
-    unscaled averaged gradient before clipping), `applied` (bool), `weight` (the total loss weight),
-    `inputs_finite` (bool: no inf or NaN in the batch's floating model inputs) and `train_metrics`
-    (a dict: each metric a `mixloop.Loss` from `loss_fn` carries, averaged by weight).
+    Build it inside the `strategy.scope()` it will run under, with either one `model`, `optimizer`
+    and `loss_scale` (one objective, named `model`) or several `objectives` (see `Objective`), whose
+    losses `loss_fn` returns as a dict keyed by objective name from one forward pass of `model`.
+    Calling it with one batch of the global batch size (under a distribution strategy: a
+    distributed batch, each replica its slice) splits the batch into `accumulation_steps`
+    micro-batches and performs at most one update per objective, with one all-reduce in total.
 
-    A non-finite gradient skips the update through a graph conditional: model variables (including
-    BatchNorm statistics), optimizer slots and the optimizer's iteration count stay bit-identical,
-    so learning-rate schedules and weight decay advance once per applied update.
+    It returns `{"objectives": {name: report}, "inputs_finite": bool}` (`inputs_finite`: no inf or
+    NaN in the batch's floating model inputs). Each objective's report is a dict of scalars: `loss`
+    (float32, unscaled, averaged by weight over the micro-batches), `loss_scale` (the scale used),
+    `grads_finite` (bool), `grad_norm` (float32, of the unscaled averaged gradient before clipping),
+    `applied` (bool), `weight` (the total loss weight) and `metrics` (the train metrics its
+    `mixloop.Loss` carries, averaged by weight).
+
+    With `ema_decay` > 0, each applied update also advances an `ExponentialMovingAverage` of that
+    objective's weights (`self.ema[name]`).
+
+    A non-finite gradient skips that objective's update through a graph conditional: its variables,
+    its layer's non-trainable state (e.g. BatchNorm statistics), its optimizer's slots and
+    iteration count stay bit-identical, so learning-rate schedules and weight decay advance once per
+    applied update, and only its loss scale backs off.
     """
 
     def __init__(
         self,
         *,
         model: keras.Model,
-        optimizer: keras.optimizers.Optimizer,
-        loss_fn: Callable[[Any, Batch], LossOutput],
+        loss_fn: Callable[[Any, Batch], Any],
         policy: Policy,
+        optimizer: Optional[keras.optimizers.Optimizer] = None,
         loss_scale: Optional[_LossScale] = None,
+        objectives: Optional[Mapping[str, Objective]] = None,
         accumulation_steps: int = 1,
         clip_global_norm: Optional[float] = None,
         jit_compile: bool = False,
         input_fn: Callable[[Batch], Any] = default_input_fn,
+        ema_decay: float = 0.0,
     ):
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps!r}")
         if clip_global_norm is not None and not clip_global_norm > 0:
             raise ValueError(f"clip_global_norm must be positive or None, got {clip_global_norm!r}")
-        if not model.trainable_variables:
-            raise ValueError("the model has no trainable variables yet: build it before the step")
+        if (objectives is None) == (optimizer is None) or (objectives and loss_scale is not None):
+            raise ValueError("pass either optimizer (and loss_scale) or objectives, not both")
+        if objectives is None:
+            objectives = {SINGLE: Objective(model, optimizer, loss_scale)}
+        self.objectives = with_loss_scales(dict(objectives), NoLossScale)
+        for name, objective in self.objectives.items():
+            if not objective.variables:
+                raise ValueError(f"objective {name!r} has no trainable variables yet: build the "
+                                 f"model before the step")
         self.model = model
-        self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.policy = policy
-        self.loss_scale = loss_scale if loss_scale is not None else NoLossScale()
         self.accumulation_steps = int(accumulation_steps)
         self.clip_global_norm = clip_global_norm
         self.input_fn = input_fn
         self.strategy = tf.distribute.get_strategy()
-        self._traced_metric_names: Optional[list[str]] = None
-        # Per trainable variable: whether its gradient was non-finite in the last skipped update.
-        self.nonfinite_gradients = tf.Variable(
-            tf.zeros([len(model.trainable_variables)], tf.bool), trainable=False,
-            name="nonfinite_gradients", synchronization=tf.VariableSynchronization.ON_WRITE,
+        self._traced_metric_names: Optional[dict[str, list[str]]] = None
+        # Per objective and trainable variable: non-finite in that objective's last skipped update.
+        self.nonfinite_gradients = {name: tf.Variable(
+            tf.zeros([len(objective.variables)], tf.bool), trainable=False,
+            name=f"nonfinite_gradients_{name}", synchronization=tf.VariableSynchronization.ON_WRITE,
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        )
-        # Slots must exist before tracing: a lazily built optimizer cannot be traced inside a cond.
-        optimizer.build(model.trainable_variables)
+        ) for name, objective in self.objectives.items()}
+        # Per objective and trainable variable, known while tracing: the loss does not reach it.
+        self.unused_variables: dict[str, list[bool]] = {}
+        # Per objective, with ema_decay > 0: the moving average of its weights over applied updates.
+        self.ema = {name: ExponentialMovingAverage(objective.variables, ema_decay, name=f"ema_{name}")
+                    for name, objective in self.objectives.items()} if ema_decay else {}
+        for objective in self.objectives.values():
+            # Slots must exist before tracing: a lazily built optimizer cannot be traced inside a cond.
+            objective.optimizer.build(objective.variables)
         if self.strategy.num_replicas_in_sync > 1:
-            # The step all-reduces the gradients itself, before checking and clipping them; Keras
-            # would otherwise sum the already summed gradients over the replicas a second time.
-            optimizer._all_reduce_sum_gradients = list
+            for objective in self.objectives.values():
+                keras_adapter.leave_gradients_summed(objective.optimizer)
             if jit_compile:
                 raise ValueError("jit_compile=True is not supported with more than one replica yet")
         self._compiled = tf.function(self.step, jit_compile=jit_compile)
 
-    def __call__(self, batch: Batch) -> dict[str, tf.Tensor]:
+    def __call__(self, batch: Batch) -> dict[str, Any]:
         """Runs the compiled step on one global batch.
 
         Raises:
-          LossContractError: on the first call, when `loss_fn` returns what `as_loss` cannot read
+          LossContractError: on the first call, when `loss_fn` returns what `as_losses` cannot read
             (raised here, before tracing, where TensorFlow would wrap it in its staging error).
         """
         if self._traced_metric_names is None:
             self.metric_names(tf.nest.map_structure(
-                lambda t: tf.TensorSpec.from_tensor(self._first_replica(t)), batch))
+                lambda t: tf.TensorSpec(self._first_replica(t).shape, self._first_replica(t).dtype), batch))
         return self._compiled(batch)
 
-    def step(self, batch: Batch) -> dict[str, tf.Tensor]:
+    def step(self, batch: Batch) -> dict[str, Any]:
         """The step's body, uncompiled: for callers that trace it inside their own `tf.function`.
 
         Runs in cross-replica context: the gradient phase runs on every replica, the decision to
-        apply is taken once, and the update itself runs on every replica again.
+        apply is taken once per objective, and the updates themselves run on every replica again.
         """
-        scale = self.loss_scale.scale
-        rollback = [tf.identity(v) for v in self.model.non_trainable_variables]
-        grads, metrics = self.strategy.run(self._replica_gradients, args=(batch,))
-        metrics = tf.nest.map_structure(self._first_replica, metrics)
-        finite_per_variable = metrics.pop("finite_per_variable")
-        applied = tf.cond(
-            metrics["grads_finite"],
-            lambda: self._apply(grads),
-            lambda: self._roll_back(rollback, finite_per_variable),
-        )
-        self.loss_scale.update(metrics["grads_finite"])
-        return {**metrics, "loss_scale": scale, "applied": applied}
+        scales = {name: objective.loss_scale.scale for name, objective in self.objectives.items()}
+        saved_states = {name: [tf.identity(v) for v in objective.state]
+                        for name, objective in self.objectives.items()}
+        grads, reports = self.strategy.run(self._replica_gradients, args=(batch,))
+        reports = tf.nest.map_structure(self._first_replica, reports)
+        objective_reports = {}
+        for name, objective in self.objectives.items():
+            report = dict(reports["objectives"][name])
+            finite_per_variable = report.pop("finite_per_variable")
+            applied = tf.cond(
+                report["grads_finite"],
+                lambda: self._apply(name, grads[name]),
+                lambda: self._roll_back(name, saved_states[name], finite_per_variable),
+            )
+            objective.loss_scale.update(report["grads_finite"])
+            objective_reports[name] = {**report, "loss_scale": scales[name], "applied": applied}
+        return {"objectives": objective_reports, "inputs_finite": reports["inputs_finite"]}
 
-    def _replica_gradients(self, batch: Batch) -> tuple[list, dict[str, Any]]:
+    def _replica_gradients(self, batch: Batch) -> tuple[dict, dict[str, Any]]:
         """One replica's accumulated gradients, summed over replicas once, averaged, checked, clipped."""
         nonfinite_inputs = _count_nonfinite_floats(self.input_fn(batch))
-        grads, sums = self._accumulate(batch, self.model.trainable_variables)
-        # The only communication of the update: gradients, loss sums and the input check together.
+        grads, sums = self._accumulate(batch)
+        # The only communication of the update: every objective's gradients and sums, and the input
+        # check, in one all-reduce.
         grads, sums, nonfinite_inputs = _sum_over_replicas((grads, sums, nonfinite_inputs))
+        # Every replica now holds the same sums, so the local verdicts are already the global ones.
+        checked = {name: self._check_and_clip(grads[name], sums[name]) for name in self.objectives}
+        return ({name: grads for name, (grads, _) in checked.items()},
+                {"objectives": {name: report for name, (_, report) in checked.items()},
+                 "inputs_finite": tf.equal(nonfinite_inputs, 0.0)})
+
+    def _check_and_clip(self, grads: list, sums: dict[str, Any]) -> tuple[list, dict[str, Any]]:
+        """One objective's summed gradients averaged by its weight, checked for finiteness, clipped."""
         weight = sums["weight"]
         grads = [g / weight for g in grads]
-        # Every replica now holds the same sums, so the local verdict is already the global one.
         finite_per_variable = leaves_finite(grads)
         grad_norm = tf.linalg.global_norm(grads)
         if self.clip_global_norm is not None:
             grads, _ = tf.clip_by_global_norm(grads, self.clip_global_norm, use_norm=grad_norm)
-        metrics = {"loss": sums["loss"] / weight, "grads_finite": tf.reduce_all(finite_per_variable),
-                   "grad_norm": grad_norm, "weight": weight,
-                   "inputs_finite": tf.equal(nonfinite_inputs, 0.0),
-                   "train_metrics": {name: value / weight for name, value in sums["metrics"].items()},
-                   "finite_per_variable": finite_per_variable}
-        return grads, metrics
+        return grads, {"loss": sums["loss"] / weight, "grads_finite": tf.reduce_all(finite_per_variable),
+                       "grad_norm": grad_norm, "weight": weight,
+                       "metrics": {name: value / weight for name, value in sums["metrics"].items()},
+                       "finite_per_variable": finite_per_variable}
 
     def _first_replica(self, value: Any) -> tf.Tensor:
         """The value of the first local replica (all replicas hold the same reduced metrics)."""
         return self.strategy.experimental_local_results(value)[0]
 
-    def _accumulate(self, batch: Batch, variables: list) -> tuple[list, dict[str, Any]]:
-        """Sums unscaled float32 gradients and the loss's weighted sums over the micro-batches."""
+    def _accumulate(self, batch: Batch) -> tuple[dict, dict[str, Any]]:
+        """Sums each objective's unscaled float32 gradients and weighted sums over the micro-batches."""
         if self.accumulation_steps == 1:
-            return self._micro_step(batch, variables)
+            return self._micro_step(batch)
         micro_batches = split_micro_batches(batch, self.accumulation_steps)
 
         def micro_batch(i):
             return tf.nest.map_structure(lambda t: t[i], micro_batches)
 
-        def body(i, grads, sums):
-            micro_grads, micro_sums = self._micro_step(micro_batch(i), variables)
-            grads = [a + g for a, g in zip(grads, micro_grads)]
-            return i + 1, grads, tf.nest.map_structure(tf.add, sums, micro_sums)
+        def body(i, accumulated):
+            return i + 1, tf.nest.map_structure(tf.add, accumulated, self._micro_step(micro_batch(i)))
 
-        zeros = [tf.zeros(v.shape, tf.float32) for v in variables]
         names = self.metric_names(tf.nest.map_structure(tf.TensorSpec.from_tensor, micro_batch(0)))
-        zero_sums = _weighted_sums(Loss(0.0, 0.0, {name: 0.0 for name in names}))
-        _, grads, sums = tf.while_loop(
-            lambda i, *_: i < self.accumulation_steps, body, (tf.constant(0), zeros, zero_sums))
+        zeros = ({name: [tf.zeros(v.shape, tf.float32) for v in objective.variables]
+                  for name, objective in self.objectives.items()},
+                 {name: _weighted_sums(Loss(0.0, 0.0, {metric: 0.0 for metric in names[name]}))
+                  for name in self.objectives})
+        _, (grads, sums) = tf.while_loop(
+            lambda i, *_: i < self.accumulation_steps, body, (tf.constant(0), zeros))
         return grads, sums
 
-    def metric_names(self, batch_spec: Any) -> list[str]:
-        """The names of the metrics `loss_fn` returns beside the loss, for batches of `batch_spec`
-        (a structure of `tf.TensorSpec`; the batch dimension is ignored).
+    def metric_names(self, batch_spec: Any) -> dict[str, list[str]]:
+        """Per objective, the names of the metrics `loss_fn` returns beside its loss, for batches of
+        `batch_spec` (a structure of `tf.TensorSpec`; the batch dimension is ignored).
 
         Loops that carry the metrics must know them before they trace their body, so the forward
         pass and the loss are traced once more on their own (never run) to read them.
         """
         if self._traced_metric_names is None:
-            names, errors = [], []
+            names, errors = {}, []
 
             def forward_and_loss(batch):
                 outputs = forward(self.model, self.policy, self.input_fn(batch), training=True)
                 try:
-                    names.extend(as_loss(self.loss_fn(outputs, batch)).metrics)
+                    losses = as_losses(self.loss_fn(outputs, batch), self.objectives)
                 except LossContractError as error:  # Autograph would wrap it in many lines.
                     errors.append(error)
+                    return
+                names.update({name: list(loss.metrics) for name, loss in losses.items()})
 
             spec = tf.nest.map_structure(
                 lambda s: tf.TensorSpec([None, *s.shape[1:]], s.dtype), batch_spec)
@@ -222,45 +259,57 @@ class TrainStep:
             self._traced_metric_names = names
         return self._traced_metric_names
 
-    def _micro_step(self, micro_batch: Batch, variables: list) -> tuple[list, dict[str, Any]]:
-        """Forward in the compute dtype, loss in float32, scaled backward, unscaled float32 gradients.
+    def _micro_step(self, micro_batch: Batch) -> tuple[dict, dict[str, Any]]:
+        """Forward in the compute dtype, losses in float32, scaled backward, unscaled float32
+        gradients: per objective, of its own loss with respect to its own variables.
 
         The scale multiplies the micro-batch's *mean* loss (sum / weight), so a token-weighted sum
         over thousands of tokens reaches the 16-bit backward with a mean's magnitudes; the weight goes
         back onto the gradients in float32, which keeps the accumulated update exactly token-weighted.
         """
-        with tf.GradientTape() as tape:
+        with tf.GradientTape(persistent=len(self.objectives) > 1) as tape:
             outputs = forward(self.model, self.policy, self.input_fn(micro_batch), training=True)
-            loss = as_loss(self.loss_fn(outputs, micro_batch))
-            scaled_loss = self.loss_scale.scale_loss(per_weight(loss.value, tf.stop_gradient(loss.weight)))
-        scaled_grads = tape.gradient(scaled_loss, variables)
-        # Which variables the loss does not reach is known while tracing. They get zero gradients
-        # here, which change neither the norm nor the finiteness check, and no update (see _apply).
-        self.unused_variables = [grad is None for grad in scaled_grads]
-        grads = self.loss_scale.unscale(
-            [tf.zeros(v.shape, tf.float32) if g is None else g for g, v in zip(scaled_grads, variables)])
-        return [_times_weight(g, loss.weight) for g in grads], _weighted_sums(loss)
+            losses = as_losses(self.loss_fn(outputs, micro_batch), self.objectives)
+            scaled_losses = {
+                name: objective.loss_scale.scale_loss(
+                    per_weight(losses[name].value, tf.stop_gradient(losses[name].weight)))
+                for name, objective in self.objectives.items()}
+        grads = {}
+        for name, objective in self.objectives.items():
+            variables = objective.variables
+            scaled_grads = tape.gradient(scaled_losses[name], variables)
+            # Which variables the loss does not reach is known while tracing. They get zero
+            # gradients here, which change neither the norm nor the finiteness check, and no
+            # update (see _apply).
+            self.unused_variables[name] = [grad is None for grad in scaled_grads]
+            unscaled = objective.loss_scale.unscale(
+                [tf.zeros(v.shape, tf.float32) if g is None else g for g, v in zip(scaled_grads, variables)])
+            grads[name] = [_times_weight(g, losses[name].weight) for g in unscaled]
+        return grads, {name: _weighted_sums(loss) for name, loss in losses.items()}
 
-    def _apply(self, grads: Any) -> tf.Tensor:
-        """Applies the (per-replica) gradients to the float32 master weights on every replica."""
+    def _apply(self, name: str, grads: list) -> tf.Tensor:
+        """Applies one objective's (per-replica) gradients to its float32 master weights on every replica."""
         # Variables the loss does not reach are left alone, as `model.fit` leaves them: no update,
         # no weight decay, no moment decay.
-        used = [not unused for unused in self.unused_variables]
-        self.strategy.run(self.optimizer.apply, args=(
-            _select(grads, used), _select(self.model.trainable_variables, used)))
+        used = [not unused for unused in self.unused_variables[name]]
+        objective = self.objectives[name]
+        self.strategy.run(objective.optimizer.apply, args=(
+            _select(grads, used), _select(objective.variables, used)))
+        if self.ema:
+            self.ema[name].update()
         return tf.constant(True)
 
-    def _roll_back(self, saved_values: list, finite_per_variable: tf.Tensor) -> tf.Tensor:
-        """Restores non-trainable model state (e.g. BatchNorm statistics) updated by the forward pass,
-        and records which gradients were non-finite."""
-        for variable, value in zip(self.model.non_trainable_variables, saved_values):
+    def _roll_back(self, name: str, saved_state: list, finite_per_variable: tf.Tensor) -> tf.Tensor:
+        """Restores one objective's non-trainable state (e.g. BatchNorm statistics) updated by the
+        forward pass, and records which of its gradients were non-finite."""
+        for variable, value in zip(self.objectives[name].state, saved_state):
             variable.assign(value)
-        self.nonfinite_gradients.assign(tf.logical_not(finite_per_variable))
+        self.nonfinite_gradients[name].assign(tf.logical_not(finite_per_variable))
         return tf.constant(False)
 
-    def nonfinite_variable_paths(self) -> list[str]:
-        """Paths of the variables whose gradients were non-finite in the last skipped update."""
-        return masked_paths(self.model.trainable_variables, self.nonfinite_gradients)
+    def nonfinite_variable_paths(self, name: str = SINGLE) -> list[str]:
+        """Paths of the variables whose gradients were non-finite in objective `name`'s last skip."""
+        return masked_paths(self.objectives[name].variables, self.nonfinite_gradients[name])
 
 
 def masked_paths(variables: list, mask: tf.Variable) -> list[str]:

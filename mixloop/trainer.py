@@ -8,8 +8,9 @@ hands the outer loop between those calls (progress, evaluation, checkpoints, fau
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import keras
 import ml_collections
@@ -19,9 +20,11 @@ from absl import logging
 from mixloop import (checkpointing, controller, distribution, guard, layer_precision, optimizers,
                      precision_setup, reporting)
 from mixloop.config import ConfigError
+from mixloop.actions import Action
 from mixloop.errors import UserError
-from mixloop.loss_scale import DynamicLossScale
-from mixloop.loss import LossOutput, as_loss
+from mixloop.loss import as_losses
+from mixloop.objective import SINGLE, Objective, with_loss_scales
+from mixloop.state import RunState
 from mixloop.step import Batch, TrainStep, default_input_fn, forward, masked_paths
 
 
@@ -48,45 +51,41 @@ class Trainer:
             placement = layer_precision.keep_float32_layers(
                 self.model, self.policy, config.precision.float32_layers)
             logging.info("%s", layer_precision.describe_placement(placement, self.policy))
-            self.optimizer = self.build_optimizer()
-            self.loss_scale = precision_setup.make_loss_scale(config.precision, self.policy)
+            self.objectives = with_loss_scales(
+                self.build_objectives(),
+                lambda: precision_setup.make_loss_scale(config.precision, self.policy))
             self.train_step = TrainStep(
                 model=self.model,
-                optimizer=self.optimizer,
+                objectives=self.objectives,
                 loss_fn=self.compute_loss,
                 policy=self.policy,
-                loss_scale=self.loss_scale,
                 accumulation_steps=config.train.accumulation_steps,
                 clip_global_norm=config.train.clip_global_norm or None,
                 jit_compile=self.jit_compile,
                 input_fn=self.model_inputs,
+                ema_decay=config.train.ema_decay,
             )
-            counter = dict(dtype=tf.int64, trainable=False)
-            self.global_step = tf.Variable(0, name="global_step", **counter)  # Updates, skipped too.
-            self.skipped_total = tf.Variable(0, name="skipped_total", **counter)
-            self.consecutive_skips = tf.Variable(0, name="consecutive_skips", **counter)
-            # Which gradients were non-finite in the first skipped update of the latest streak.
-            self.first_nonfinite = tf.Variable(tf.zeros_like(self.train_step.nonfinite_gradients),
-                                               trainable=False, name="first_nonfinite")
+            self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
         self._train_data, self.eval_data = self.build_datasets()
         self.train_metric_names = self.train_step.metric_names(self._train_data.element_spec)
-        reporting.check_metric_names(self.train_metric_names)
+        reporting.check_metric_names(
+            [metric for names in self.train_metric_names.values() for metric in names], self.objectives)
         # The default strategy's plain tf.data iterator is checkpointed itself. TensorFlow cannot
         # checkpoint a distributed one, so other strategies make theirs on first use, fast-forwarded
         # by the restored step (`train_iterator`).
         self._train_iterator = (self.make_train_iterator(0)
                                 if self.strategy is tf.distribute.get_strategy() else None)
         self.iterator_in_checkpoint = isinstance(self._train_iterator, tf.data.Iterator)
-        self.logged_first_skip = False
         # What a checkpoint holds. Variables go in as lists: Keras 3 does not track every variable
         # (such as dropout seed states) through the model object.
         self.checkpointed = dict(
             model_variables=list(self.model.variables),
-            optimizer_variables=list(self.optimizer.variables),
-            loss_scale=self.loss_scale,
-            global_step=self.global_step,
-            skipped_total=self.skipped_total,
-            consecutive_skips=self.consecutive_skips,
+            objectives={name: {"optimizer_variables": list(objective.optimizer.variables),
+                               "loss_scale": objective.loss_scale}
+                        for name, objective in self.objectives.items()},
+            state=self.state,
+            ema=self.train_step.ema,
+            extra_state=self.extra_state(),
             **({"train_iterator": self._train_iterator} if self.iterator_in_checkpoint else {}),
         )
         self.checkpoints = checkpointing.make_manager(
@@ -104,20 +103,45 @@ class Trainer:
         (`config.train.repeat_dataset` asks the framework to repeat it)."""
         raise NotImplementedError("a Trainer subclass must define build_datasets()")
 
-    def compute_loss(self, outputs: Any, batch: Batch) -> LossOutput:
+    def compute_loss(self, outputs: Any, batch: Batch) -> Any:
         """Returns a float32 scalar mean loss, a (loss_sum, weight) pair, or a `mixloop.Loss` with
-        train metrics, from float32 outputs."""
+        train metrics, from float32 outputs; with several objectives, a dict of those by objective."""
         raise NotImplementedError("a Trainer subclass must define compute_loss()")
 
     def eval_metrics(self, outputs: Any, batch: Batch) -> dict[str, tf.Tensor]:
         """Returns the eval metrics of one batch; each is averaged over the eval batches. By default
-        the loss per weight and the metrics `compute_loss` returns in a `mixloop.Loss`."""
-        loss = as_loss(self.compute_loss(outputs, batch))
-        return {"loss": loss.value / loss.weight, **loss.metrics}
+        each objective's loss per weight (`loss`, or `loss/<objective>` for several) and the metrics
+        `compute_loss` returns in `mixloop.Loss`es."""
+        metrics = {}
+        for name, loss in as_losses(self.compute_loss(outputs, batch), self.objectives).items():
+            metrics[reporting.tag("loss", name, self.objectives)] = loss.value / loss.weight
+            metrics.update(loss.metrics)
+        return metrics
 
     def build_optimizer(self) -> keras.optimizers.Optimizer:
         """Returns the optimizer; by default the one `config.optimizer` names."""
         return optimizers.build_optimizer(self.config.optimizer, self.config.train.num_steps)
+
+    def build_objectives(self) -> dict[str, Objective]:
+        """Returns the objectives by name (called after `build_model`, in the strategy's scope).
+
+        By default one, the whole model trained by `build_optimizer()`. Return several (e.g. a
+        generator and a discriminator, each a layer of `self.model` with its own optimizer) and
+        `compute_loss` returns a dict with one loss per objective name. An objective without a
+        `loss_scale` gets its own from `config.precision`.
+        """
+        return {SINGLE: Objective(self.model, self.build_optimizer())}
+
+    def actions(self) -> list[Action]:
+        """Returns host-side actions the loop runs every N updates or after each eval (none by
+        default): e.g. a generated sample written with `tf.summary.text`."""
+        return []
+
+    def extra_state(self) -> dict[str, Any]:
+        """Returns research state to checkpoint beside the model (none by default): trackables such
+        as `tf.Variable`s, e.g. a curriculum counter, restored on resume. Called once, at
+        construction; keep the variables as attributes and update them in place."""
+        return {}
 
     def model_inputs(self, batch: Batch) -> Any:
         """Returns what the model is called on; by default the first element of an (x, y) tuple."""
@@ -125,52 +149,43 @@ class Trainer:
 
     # ----- What the framework owns. -----
 
+    def train_loop(self, num_steps: int) -> dict[str, Any]:
+        """Runs up to `num_steps` updates in one compiled call; returns the loop's totals as NumPy
+        values (see `_train_loop`). The controller calls this; a TensorFlow op error propagates."""
+        totals = self._train_loop(self.train_iterator, tf.constant(num_steps))
+        return tf.nest.map_structure(lambda value: value.numpy(), totals)
+
     @tf.function
-    def _train_loop(self, iterator, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
+    def _train_loop(self, iterator, num_steps: tf.Tensor) -> dict[str, Any]:
         """The inner loop: up to `num_steps` train steps in one graph, returning sums for reporting.
 
-        It ends early, with a `guard` reason in `stop_reason`, when an update shows the run
-        diverging; `last_*` hold that update's loss, scale, input and gradient checks. (The end of the data is
-        the outer loop's business: it never asks for more batches than there are.)
+        Per objective it sums the losses, norms and metrics (`reporting.add_update`) and asks the
+        guard after every update; it ends early when an objective shows the run diverging, with that
+        reason in its `stop_reason`. (The end of the data is the outer loop's business: it never
+        asks for more batches than there are.)
         """
-        min_scale = self.loss_scale.min_scale if isinstance(self.loss_scale, DynamicLossScale) else None
-        totals = {
-            "loss_sum": tf.constant(0.0), "num_finite_loss": tf.constant(0.0),
-            "grad_norm_sum": tf.constant(0.0), "num_applied": tf.constant(0.0),
-            "stop_reason": tf.constant(guard.CONTINUE), "last_loss": tf.constant(0.0),
-            "last_scale": tf.constant(0.0), "last_inputs_finite": tf.constant(True),
-            "last_grads_finite": tf.constant(True),
-            # The train metrics, weighted by each update's total loss weight.
-            "metric_sums": {name: tf.constant(0.0) for name in self.train_metric_names},
-            "metric_weight": tf.constant(0.0),
-        }
+        totals = {"objectives": {name: reporting.zero_totals(self.train_metric_names[name])
+                                 for name in self.objectives},
+                  "last_inputs_finite": tf.constant(True)}
         for _ in tf.range(num_steps):
-            metrics = self.train_step(next(iterator))
-            applied = metrics["applied"]
-            totals["metric_sums"] = {
-                name: total + metrics["train_metrics"][name] * metrics["weight"]
-                for name, total in totals["metric_sums"].items()}
-            totals["metric_weight"] += metrics["weight"]
-            finite_loss = tf.math.is_finite(metrics["loss"])
-            totals["loss_sum"] += tf.where(finite_loss, metrics["loss"], 0.0)
-            totals["num_finite_loss"] += tf.cast(finite_loss, tf.float32)
-            totals["grad_norm_sum"] += tf.where(applied, metrics["grad_norm"], 0.0)
-            totals["num_applied"] += tf.cast(applied, tf.float32)
-            totals["last_loss"] = metrics["loss"]
-            totals["last_scale"] = metrics["loss_scale"]
-            totals["last_inputs_finite"] = metrics["inputs_finite"]
-            totals["last_grads_finite"] = metrics["grads_finite"]
-            if not applied and self.consecutive_skips == 0:
-                self.first_nonfinite.assign(self.train_step.nonfinite_gradients)
-            self.consecutive_skips.assign(tf.where(applied, tf.constant(0, tf.int64),
-                                                   self.consecutive_skips + 1))
-            self.global_step.assign_add(1)
-            self.skipped_total.assign_add(1 - tf.cast(applied, tf.int64))
-            totals["stop_reason"] = guard.stop_reason(
-                metrics, self.consecutive_skips, self.config.train.max_consecutive_skips, min_scale)
-            if totals["stop_reason"] != guard.CONTINUE:
+            totals = self._count_update(totals, self.train_step(next(iterator)))
+            if guard.any_stopping([t["stop_reason"] for t in totals["objectives"].values()]):
                 break
         return totals
+
+    def _count_update(self, totals: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+        """`totals` after the update whose step `metrics` these are; the counters moved on."""
+        self.state.global_step.assign_add(1)
+        objectives = {}
+        for name, report in metrics["objectives"].items():
+            skips = self.state.skips[name]
+            skips.record(report["applied"], self.train_step.nonfinite_gradients[name])
+            objectives[name] = {**reporting.add_update(totals["objectives"][name], report),
+                                "stop_reason": guard.stop_reason(
+                                    report, skips.consecutive_skips,
+                                    self.config.train.max_consecutive_skips,
+                                    guard.min_scale(self.objectives[name].loss_scale))}
+        return {"objectives": objectives, "last_inputs_finite": metrics["inputs_finite"]}
 
     @tf.function
     def _eval_step(self, batch: Batch) -> dict[str, tf.Tensor]:
@@ -178,20 +193,30 @@ class Trainer:
         return {name: tf.cast(value, tf.float32) for name, value in self.eval_metrics(outputs, batch).items()}
 
     def evaluate(self) -> dict[str, float]:
-        """Mean of `eval_metrics` over the eval set (or `config.eval.num_batches` of it)."""
+        """Mean of `eval_metrics` over the eval set (or `config.eval.num_batches` of it), with the
+        EMA weights when `config.train.ema_decay` is set."""
         if self.eval_data is None:
             return {}
         data = self.eval_data
         if self.config.eval.num_batches:
             data = data.take(self.config.eval.num_batches)
         sums, count = {}, 0
-        for batch in data:
-            for name, value in self._eval_step(batch).items():
-                sums[name] = sums.get(name, 0.0) + float(value)
-            count += 1
+        with self.ema_weights():
+            for batch in data:
+                for name, value in self._eval_step(batch).items():
+                    sums[name] = sums.get(name, 0.0) + float(value)
+                count += 1
         if not count:
             raise UserError(controller.EMPTY_EVAL_DATA)
         return {name: total / count for name, total in sums.items()}
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """The EMA weights in the model for the `with` block (the trained ones without EMA)."""
+        with contextlib.ExitStack() as stack, self.strategy.scope():
+            for average in self.train_step.ema.values():
+                stack.enter_context(average.swapped_in())
+            yield
 
     def restore(self) -> Optional[str]:
         """Restores the workdir's latest checkpoint; returns its path, or None for a fresh run."""
@@ -208,20 +233,29 @@ class Trainer:
         """
         return controller.train(self)
 
+    @property
+    def global_step(self) -> tf.Variable:
+        """Updates made so far in the run, skipped ones included."""
+        return self.state.global_step
+
     def restore_weights(self, path: str) -> None:
         """Restores model, optimizer, loss scale and counters from `path`, but not the data position."""
         weights = {name: value for name, value in self.checkpointed.items() if name != "train_iterator"}
         tf.train.Checkpoint(**weights).restore(path).expect_partial()
 
-    def nonfinite_variable_paths(self) -> list[str]:
-        """Paths of the variables whose gradients were non-finite first in the latest skip streak."""
-        return masked_paths(self.model.trainable_variables, self.first_nonfinite)
+    def nonfinite_variable_paths(self, objective: str = SINGLE) -> list[str]:
+        """Paths of the variables whose gradients were non-finite first in the latest skip streak
+        of `objective`."""
+        return masked_paths(self.objectives[objective].variables,
+                            self.state.skips[objective].first_nonfinite)
 
     def export(self) -> str:
-        """Saves the model in float32 as `workdir/model.keras` for inference; returns the path."""
+        """Saves the model in float32 (with the EMA weights when `config.train.ema_decay` is set)
+        as `workdir/model.keras` for inference; returns the path."""
         with layer_precision.building_under(precision_setup.Policy.from_string("float32")):
             export_model = self.build_model()
-        export_model.set_weights(self.model.get_weights())
+        with self.ema_weights():
+            export_model.set_weights(self.model.get_weights())
         path = os.path.join(self.workdir, "model.keras")
         export_model.save(path)
         logging.info("Exported the float32 model to %s", path)

@@ -19,9 +19,9 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def mirrored():
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    assert len(devices) >= 2, "conftest.py splits the CPU into two logical devices"
-    return tf.distribute.MirroredStrategy(devices[:2])
+    strategy = distribution.make_strategy("mirrored")  # Fresh collective keys, whatever ran before.
+    assert strategy.num_replicas_in_sync == 2, "conftest.py splits the CPU into two logical devices"
+    return strategy
 
 
 def make_data(num_examples=32, seed=0):
@@ -63,7 +63,8 @@ def run_steps(strategy, step, data, num_steps, global_batch=16):
     def one_update():
         return step(next(iterator))
 
-    return [tf.nest.map_structure(lambda v: v.numpy(), one_update()) for _ in range(num_steps)]
+    return [tf.nest.map_structure(lambda v: v.numpy(), one_update()["objectives"]["model"])
+            for _ in range(num_steps)]
 
 
 def replica_weights(step):
@@ -101,8 +102,8 @@ def test_overflow_on_one_replica_skips_everywhere_and_backs_off_once():
     [metrics] = run_steps(step.strategy, step, (features, targets), 1)
 
     assert not metrics["applied"] and not metrics["grads_finite"]
-    assert float(step.loss_scale.scale) == 2.0**14
-    assert int(step.optimizer.iterations.numpy()) == 0
+    assert float(step.objectives["model"].loss_scale.scale) == 2.0**14
+    assert int(step.objectives["model"].optimizer.iterations.numpy()) == 0
     for old, new in zip(before, replica_weights(step)):
         for old_copy, new_copy in zip(old, new):
             np.testing.assert_array_equal(old_copy, new_copy)

@@ -58,7 +58,7 @@ def final_state(workdir):
     """Every model and optimizer tensor of the newest checkpoint."""
     reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if name.startswith(("model_variables/", "optimizer_variables/", "loss_scale/"))}
+            if name.startswith(("model_variables/", "objectives/"))}
 
 
 def assert_every_checkpoint_restores(workdir):

@@ -167,7 +167,7 @@ def train(name, policy_name, weights=None):
     initial = eval_loss(model, policy, batch, loss_fn)
     results = []
     while sum(bool(r["applied"]) for r in results) < NUM_APPLIED and len(results) < 20:
-        results.append(step(batch))
+        results.append(step(batch)["objectives"]["model"])
     skipped = len(results) - NUM_APPLIED
     return initial, float(results[0]["loss"]), float(results[-1]["loss"]), skipped, model
 
@@ -198,5 +198,5 @@ def test_bert_with_its_layer_norms_kept_in_float32_trains(policy_name):
     step = mixloop.TrainStep(model=model, optimizer=keras.optimizers.AdamW(1e-3),
                              loss_fn=masked_token_loss, policy=policy, jit_compile=True)
     batch = token_batch(with_segments=True)
-    losses = [float(step(batch)["loss"]) for _ in range(3)]
+    losses = [float(step(batch)["objectives"]["model"]["loss"]) for _ in range(3)]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]

@@ -1,32 +1,71 @@
-"""Interval statistics for the progress line and TensorBoard: means over what was measured."""
+"""Interval statistics for the progress line and TensorBoard: means over what was measured, per
+objective; and the inner loop's per-update sums."""
 
 import math
 
+import pytest
+import tensorflow as tf
+
 from mixloop import reporting
+from mixloop.errors import UserError
 
 
-def interval_after(loops):
-    interval = reporting.Interval(step=100, skipped_total=4)
+def interval_after(loops, objectives=("model",), skipped=4):
+    interval = reporting.Interval(step=100, skipped_totals={name: skipped for name in objectives})
     for totals in loops:
         interval.add(totals, seconds=0.5)
     return interval
 
 
-def totals(loss_sum, num_finite_loss, grad_norm_sum, num_applied):
+def totals(loss_sum, num_finite_loss, grad_norm_sum, num_applied, metric_sums=None, metric_weight=0.0):
     return dict(loss_sum=loss_sum, num_finite_loss=num_finite_loss, grad_norm_sum=grad_norm_sum,
-                num_applied=num_applied)
+                num_applied=num_applied, metric_sums=metric_sums or {}, metric_weight=metric_weight)
 
 
 def test_means_are_over_finite_losses_and_applied_updates():
-    interval = interval_after([totals(6.0, 3.0, 2.0, 2.0), totals(2.0, 1.0, 4.0, 1.0)])
-    summary = interval.summary(step=110, skipped_total=5, batch_size=32)
+    interval = interval_after([{"objectives": {"model": totals(6.0, 3.0, 2.0, 2.0)}},
+                               {"objectives": {"model": totals(2.0, 1.0, 4.0, 1.0)}}])
+    summary = interval.summary(step=110, skipped_totals={"model": 5}, batch_size=32)
     assert summary == {"loss": 2.0, "grad_norm": 2.0, "skipped_steps": 1.0, "skipped_total": 5.0,
                        "steps_per_sec": 10.0, "examples_per_sec": 320.0}
 
 
 def test_an_interval_of_skipped_updates_has_no_gradient_norm_rather_than_nan():
-    summary = interval_after([totals(3.0, 1.0, 0.0, 0.0)]).summary(step=105, skipped_total=9,
-                                                                   batch_size=8)
+    summary = interval_after([{"objectives": {"model": totals(3.0, 1.0, 0.0, 0.0)}}]).summary(
+        step=105, skipped_totals={"model": 9}, batch_size=8)
     assert "grad_norm" not in summary
     assert summary["skipped_steps"] == 5.0 and summary["loss"] == 3.0
     assert all(not math.isnan(value) for value in summary.values())
+
+
+def test_several_objectives_get_their_own_tags_and_metrics_their_own_weights():
+    loop = {"objectives": {"g": totals(4.0, 2.0, 6.0, 2.0, {"coverage": 1.5}, 3.0),
+                           "d": totals(1.0, 2.0, 0.0, 0.0, {"real_accuracy": 0.8}, 1.0)}}
+    summary = interval_after([loop], objectives=("g", "d")).summary(
+        step=102, skipped_totals={"g": 4, "d": 6}, batch_size=1)
+    assert summary == {"loss/g": 2.0, "coverage": 0.5, "skipped_steps/g": 0.0, "skipped_total/g": 4.0,
+                       "grad_norm/g": 3.0, "loss/d": 0.5, "real_accuracy": 0.8,
+                       "skipped_steps/d": 2.0, "skipped_total/d": 6.0,
+                       "steps_per_sec": 4.0, "examples_per_sec": 4.0}
+
+
+def test_add_update_sums_finite_losses_applied_norms_and_weighted_metrics():
+    running = reporting.zero_totals(["accuracy"])
+    for loss, applied, weight in [(2.0, True, 4.0), (float("inf"), False, 2.0), (1.0, True, 2.0)]:
+        report = {"loss": tf.constant(loss), "applied": tf.constant(applied),
+                  "grad_norm": tf.constant(10.0), "weight": tf.constant(weight),
+                  "grads_finite": tf.constant(applied), "loss_scale": tf.constant(8.0),
+                  "metrics": {"accuracy": tf.constant(0.5 if applied else 0.0)}}
+        running = reporting.add_update(running, report)
+    values = tf.nest.map_structure(lambda t: t.numpy(), running)
+    assert values["loss_sum"] == 3.0 and values["num_finite_loss"] == 2.0
+    assert values["grad_norm_sum"] == 20.0 and values["num_applied"] == 2.0
+    assert values["metric_sums"] == {"accuracy": 3.0} and values["metric_weight"] == 8.0
+    assert values["last_loss"] == 1.0 and values["last_scale"] == 8.0
+
+
+@pytest.mark.parametrize("name, objectives", [("loss_scale", ["model"]), ("skipped_total/g", ["g", "d"]),
+                                              ("loss", ["g", "d"])])
+def test_metric_names_that_clash_with_built_in_tags_are_refused(name, objectives):
+    with pytest.raises(UserError, match=f"a metric named '{name}', which the framework writes itself"):
+        reporting.check_metric_names([name], objectives)

@@ -64,9 +64,9 @@ def with_nan_rows(batch, rows):
 
 
 def update_of(step, batch):
-    """Runs one step; returns (the change of every trainable variable, the step's metrics)."""
+    """Runs one step; returns (the change of every trainable variable, the step's report)."""
     before = [v.numpy() for v in step.model.trainable_variables]
-    metrics = step(batch)
+    metrics = step(batch)["objectives"]["model"]
     return [v.numpy() - b for v, b in zip(step.model.trainable_variables, before)], metrics
 
 
@@ -90,7 +90,7 @@ def relative_gap(actual, expected):
 def state_of(step):
     """Every model variable (BatchNorm statistics and dropout seeds included) and every optimizer
     variable (iterations, learning rate, slots), as NumPy copies keyed by path."""
-    variables = step.model.variables + step.optimizer.variables
+    variables = step.model.variables + step.objectives["model"].optimizer.variables
     assert len({v.path for v in variables}) == len(variables)
     return {v.path: np.array(v.numpy(), copy=True) for v in variables}
 
@@ -125,16 +125,16 @@ def test_non_finite_step_is_skipped_with_every_variable_bit_identical(policy, ca
                      jit_compile=jit_compile)
     # A good step first, so Adam's moments, the BatchNorm statistics and the dropout seed all hold
     # values a skipped step could visibly disturb.
-    assert bool(step(regression_batch(seed=1, target_scale=0.1))["applied"])
+    assert bool(step(regression_batch(seed=1, target_scale=0.1))["objectives"]["model"]["applied"])
     before = state_of(step)
-    assert int(before[step.optimizer.iterations.path]) == 1
+    assert int(before[step.objectives["model"].optimizer.iterations.path]) == 1
 
-    metrics = step(bad_batch(cause))
+    metrics = step(bad_batch(cause))["objectives"]["model"]
 
     assert not bool(metrics["applied"]) and not bool(metrics["grads_finite"])
     assert_bit_identical(before, state_of(step))
     assert float(metrics["loss_scale"]) == 2.0**15
-    assert float(step.loss_scale.scale) == 2.0**14
+    assert float(step.objectives["model"].loss_scale.scale) == 2.0**14
     if cause == "float16_overflow":
         assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) > 1e6
 
@@ -146,7 +146,7 @@ def test_overflow_batch_is_finite_without_float16_or_without_scaling(policy, los
     """The control for the overflow case above: the same batch is applied in float32, and in float16
     at scale 1, so it is the scaled float16 gradient that overflows there."""
     step = make_step(policy, build_fn=mlp(batch_norm=True, dropout=0.25), loss_scale=loss_scale_fn())
-    assert bool(step(bad_batch("float16_overflow"))["applied"])
+    assert bool(step(bad_batch("float16_overflow"))["objectives"]["model"]["applied"])
 
 
 # 4: float32 master weights keep updates that float16 weights would round away.
@@ -168,7 +168,7 @@ def test_float32_master_weight_keeps_updates_below_float16_resolution():
 
     master32, weight16 = np.float32(1.0), np.float16(1.0)
     for x in inputs:
-        assert bool(step((tf.constant([[x]]),))["applied"])
+        assert bool(step((tf.constant([[x]]),))["objectives"]["model"]["applied"])
         update = np.float32(x) * np.float32(loss_factor) * np.float32(learning_rate)
         master32 = np.float32(master32 - update)
         weight16 = np.float16(weight16 - np.float16(update))
@@ -208,7 +208,7 @@ def test_loss_scaling_rescues_underflowing_float16_gradients(capsys):
     def body_gradient(loss_scale):
         step = make_step("mixed_float16", build_fn=build, weights=weights, loss_fn=tiny_loss, loss_scale=loss_scale)
         assert step.model.get_layer("body").compute_dtype == "float16"
-        assert bool(step(batch)["applied"])
+        assert bool(step(batch)["objectives"]["model"]["applied"])
         return -step.model.get_layer("body").kernel.numpy()
 
     zero_fractions = {}
@@ -271,13 +271,13 @@ def test_iterations_and_loss_scale_change_once_per_call(num_micro_batches):
     good, bad = regression_batch(seed=1), with_nan_rows(regression_batch(seed=2), rows=[5])
     scales, applied, iterations = [], [], []
     for batch in [good, good, bad, good]:
-        metrics = step(batch)
+        metrics = step(batch)["objectives"]["model"]
         scales.append(float(metrics["loss_scale"]))
         applied.append(bool(metrics["applied"]))
-        iterations.append(int(step.optimizer.iterations))
+        iterations.append(int(step.objectives["model"].optimizer.iterations))
     # One growth per finite call and one back-off for the bad call, however many micro-batches.
     assert scales == [16.0, 32.0, 64.0, 32.0]
-    assert float(step.loss_scale.scale) == 64.0
+    assert float(step.objectives["model"].loss_scale.scale) == 64.0
     assert applied == [True, True, False, True]
     assert iterations == [1, 2, 2, 3]
 
@@ -287,14 +287,14 @@ def test_one_non_finite_micro_batch_skips_the_whole_update(jit_compile):
     step = make_step("mixed_float16", build_fn=mlp(batch_norm=True, dropout=0.25),
                      optimizer=keras.optimizers.Adam(1e-3), accumulation_steps=4,
                      loss_scale=DynamicLossScale(initial_scale=2.0**10), jit_compile=jit_compile)
-    assert bool(step(regression_batch(seed=1))["applied"])
+    assert bool(step(regression_batch(seed=1))["objectives"]["model"]["applied"])
     before = state_of(step)
     # Rows 4 and 5 form the third of four micro-batches; the others are finite and update the
     # BatchNorm statistics before the NaN arrives, which the skip must undo too.
-    metrics = step(with_nan_rows(regression_batch(seed=2), rows=[5]))
+    metrics = step(with_nan_rows(regression_batch(seed=2), rows=[5]))["objectives"]["model"]
     assert not bool(metrics["applied"])
     assert_bit_identical(before, state_of(step))
-    assert float(step.loss_scale.scale) == 2.0**9
+    assert float(step.objectives["model"].loss_scale.scale) == 2.0**9
 
 
 def test_batch_not_divisible_by_accumulation_steps_is_rejected():
@@ -322,7 +322,7 @@ def test_clipping_is_independent_of_the_loss_scale_and_matches_a_manual_referenc
                              ("dynamic", DynamicLossScale())]:
         step = make_step(weights=weights, optimizer=keras.optimizers.SGD(learning_rate), loss_scale=loss_scale,
                          accumulation_steps=2, clip_global_norm=clip_norm, jit_compile=jit_compile)
-        metrics = step(batch)
+        metrics = step(batch)["objectives"]["model"]
         results[name] = ([v.numpy() for v in step.model.trainable_variables], float(metrics["grad_norm"]))
 
     gradients, _ = full_batch_gradients(weights, batch)
@@ -352,7 +352,7 @@ def test_jit_compile_gives_the_same_results(policy):
         step = make_step(policy, weights=weights, optimizer=keras.optimizers.Adam(1e-2), accumulation_steps=2,
                          clip_global_norm=1.0, loss_scale=DynamicLossScale(initial_scale=2.0**10, growth_interval=2),
                          jit_compile=jit_compile)
-        metrics = [step(batch) for batch in batches]
+        metrics = [step(batch)["objectives"]["model"] for batch in batches]
         runs[jit_compile] = (
             [(bool(m["applied"]), float(m["loss_scale"])) for m in metrics],
             [float(m["loss"]) for m in metrics],
@@ -440,7 +440,7 @@ def test_keras_optimizers_and_schedules_match_a_plain_keras_run(optimizer_name):
     batches = [regression_batch(seed=1), regression_batch(seed=2), with_nan_rows(regression_batch(seed=3), [6]),
                regression_batch(seed=4)]
     step = make_step(weights=weights, optimizer=OPTIMIZERS[optimizer_name](), accumulation_steps=4)
-    applied = [bool(step(batch)["applied"]) for batch in batches]
+    applied = [bool(step(batch)["objectives"]["model"]["applied"]) for batch in batches]
 
     reference_model = mixloop.build_model(mlp(norm=True), Policy.from_string("float32"))
     reference_model.set_weights(weights)
@@ -452,13 +452,13 @@ def test_keras_optimizers_and_schedules_match_a_plain_keras_run(optimizer_name):
                                   reference_model.trainable_variables)
 
     assert applied == [True, True, False, True]
-    assert int(step.optimizer.iterations) == 3  # once per applied update, not per micro-batch
+    assert int(step.objectives["model"].optimizer.iterations) == 3  # once per applied update, not per micro-batch
     # The schedule halves the rate per iteration: had it advanced per micro-batch, it would be 0.05 / 2**12.
-    assert float(step.optimizer.learning_rate) == pytest.approx(0.05 / 2**3, rel=1e-6)
+    assert float(step.objectives["model"].optimizer.learning_rate) == pytest.approx(0.05 / 2**3, rel=1e-6)
     for actual, expected in zip(step.model.trainable_variables, reference_model.trainable_variables):
         np.testing.assert_allclose(actual.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6, err_msg=actual.path)
-    assert len(step.optimizer.variables) == len(reference_optimizer.variables)
-    for actual, expected in zip(step.optimizer.variables, reference_optimizer.variables):
+    assert len(step.objectives["model"].optimizer.variables) == len(reference_optimizer.variables)
+    for actual, expected in zip(step.objectives["model"].optimizer.variables, reference_optimizer.variables):
         np.testing.assert_allclose(actual.numpy(), expected.numpy(), rtol=1e-4, atol=1e-8, err_msg=actual.path)
 
 
@@ -484,7 +484,7 @@ def test_unused_variables_are_left_alone_and_the_rest_trains_as_in_keras(policy,
                      jit_compile=jit_compile)
     before = state_of(step)
     for seed in (1, 2):
-        assert bool(step(regression_batch(seed=seed))["applied"])
+        assert bool(step(regression_batch(seed=seed))["objectives"]["model"]["applied"])
     after = state_of(step)
 
     unused = [path for path in before if "unused_head" in path]
@@ -538,7 +538,7 @@ def skipped_updates(loss_fn, num_batches=30):
     step = make_step("mixed_float16", build_fn=token_lm, weights=weights, loss_fn=loss_fn,
                      optimizer=keras.optimizers.Adam(1e-3), loss_scale=DynamicLossScale(),
                      jit_compile=True)
-    return sum(not bool(step(batch)["applied"]) for batch in token_lm_batches(num_batches))
+    return sum(not bool(step(batch)["objectives"]["model"]["applied"]) for batch in token_lm_batches(num_batches))
 
 
 def test_token_sum_and_weight_skips_no_more_updates_than_the_token_mean():
@@ -575,7 +575,7 @@ def test_train_metrics_are_the_full_batch_token_means_whatever_the_accumulation(
     for num_micro_batches in (1, 2, 4):
         step = make_step(build_fn=sequence_model, weights=weights, loss_fn=token_loss_with_metrics,
                          accumulation_steps=num_micro_batches, jit_compile=jit_compile)
-        metrics = step(batch)["train_metrics"]
+        metrics = step(batch)["objectives"]["model"]["metrics"]
         assert sorted(metrics) == ["abs_error", "large_error_rate"]
         for name, value in expected.items():
             assert float(metrics[name]) == pytest.approx(value, rel=1e-5), (name, num_micro_batches)

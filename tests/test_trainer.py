@@ -82,7 +82,8 @@ def test_resumed_run_is_bit_identical(tmp_path):
     assert int(resumed.global_step.numpy()) == 40
     for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(straight.optimizer.variables, resumed.optimizer.variables):
+    for a, b in zip(straight.objectives["model"].optimizer.variables,
+                    resumed.objectives["model"].optimizer.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
@@ -91,7 +92,7 @@ def test_a_finished_run_does_nothing_more(tmp_path):
     again = make_trainer(tmp_path, **{"train.num_steps": 10})
     again.train()
     assert int(again.global_step.numpy()) == 10
-    assert int(again.optimizer.iterations.numpy()) == 10
+    assert int(again.objectives["model"].optimizer.iterations.numpy()) == 10
 
 
 def test_auto_policy_on_cpu_is_float32_and_says_why():

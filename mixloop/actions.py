@@ -1,0 +1,36 @@
+"""Host-side actions: research code the outer loop runs every N updates or after each evaluation.
+
+As CommonLoopUtils' periodic actions: a small object with one call, declared by the Trainer
+subclass (`Trainer.actions`), run by the controller between compiled loops with the run's
+TensorBoard writer as the default `tf.summary` writer, so `tf.summary.text(...)` or
+`tf.summary.image(...)` inside it lands in `workdir/train` or `workdir/eval`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """Calls `fn(step)` every `every_steps` updates (0: never) and/or after each evaluation.
+
+    Actions run on every process of a multi-worker run (only the chief's summaries are written).
+    One that runs every N updates writes to `workdir/train`; one at eval time to `workdir/eval`, with
+    the weights eval used (the EMA weights when `config.train.ema_decay` is set).
+    The loop's boundaries include every multiple of `every_steps`, so none is missed.
+    """
+
+    fn: Callable[[int], None]
+    every_steps: int = 0
+    at_eval: bool = False
+
+    def __post_init__(self):
+        if self.every_steps < 0 or not (self.every_steps or self.at_eval):
+            raise ValueError(f"an Action needs every_steps > 0 or at_eval=True; got every_steps="
+                             f"{self.every_steps!r}, at_eval={self.at_eval!r}")
+
+    def is_due(self, step: int) -> bool:
+        """Whether it runs after update `step` (its every-N part)."""
+        return self.every_steps > 0 and step % self.every_steps == 0

@@ -1,0 +1,41 @@
+"""The Keras private names mixloop relies on, in one place, each pinned by tests/test_keras_adapter.py.
+
+Keras 3 has no public call for these. When Keras changes one, its test fails loudly and names it,
+instead of a layer silently computing in the wrong dtype or gradients being summed twice.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras.src.backend.common import global_state
+
+
+def sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers `layer` tracks directly."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def output_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers that produce a functional or sequential model's outputs (none for the rest)."""
+    outputs = getattr(layer, "outputs", None) if isinstance(layer, keras.Model) else None
+    return [tensor._keras_history.operation for tensor in keras.tree.flatten(outputs or [])]
+
+
+def name_counters():
+    """Keras's per-thread counters behind the numbers of unnamed layers."""
+    return global_state.get_global_attribute("object_name_uids")
+
+
+def set_name_counters(counters) -> None:
+    """Replaces those counters (None: Keras starts new ones)."""
+    global_state.set_global_attribute("object_name_uids", counters)
+
+
+def leave_gradients_summed(optimizer: keras.optimizers.Optimizer) -> None:
+    """Makes `optimizer.apply` under several replicas use the gradients as given.
+
+    The train step all-reduces the gradients itself, once for every objective, before checking and
+    clipping them; Keras's TensorFlow optimizer would otherwise sum the already summed gradients
+    over the replicas a second time.
+    """
+    optimizer._all_reduce_sum_gradients = list

@@ -1,0 +1,55 @@
+"""An objective: one loss, the variables it trains, the optimizer that trains them and its own loss scale.
+
+A model with one loss has one objective, the whole model (named `model`). A GAN has two, the
+generator and the discriminator, whose losses come from one forward pass. Each objective's update
+is applied or skipped on its own (PyTorch's per-optimizer skip) and, in float16, its loss scale
+backs off on its own overflows only (apex's `num_losses`): a generator overflow does not throw away
+the discriminator's update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import keras
+
+from mixloop.loss_scale import _LossScale
+
+SINGLE = "model"  # The name of the one objective of a model with one loss.
+
+
+@dataclasses.dataclass
+class Objective:
+    """One loss to minimise.
+
+    Attributes:
+      layer: the Keras layer or model whose trainable variables this objective trains; its
+        non-trainable variables (e.g. BatchNorm statistics) are rolled back when its update is skipped.
+      optimizer: the Keras optimizer that applies this objective's updates.
+      loss_scale: its loss scale; None takes the one `config.precision` describes (the Trainer) or
+        no scaling (a bare `TrainStep`).
+    """
+
+    layer: keras.layers.Layer
+    optimizer: keras.optimizers.Optimizer
+    loss_scale: Optional[_LossScale] = None
+
+    @property
+    def variables(self) -> list:
+        """The variables the optimizer updates (the float32 master weights)."""
+        return list(self.layer.trainable_variables)
+
+    @property
+    def state(self) -> list:
+        """Non-trainable variables the forward pass may update, restored on a skipped update."""
+        return list(self.layer.non_trainable_variables)
+
+
+def with_loss_scales(objectives: dict[str, Objective],
+                     make_loss_scale: Callable[[], _LossScale]) -> dict[str, Objective]:
+    """The `objectives`, each with a loss scale: its own, or a fresh one from `make_loss_scale()`."""
+    return {name: objective if objective.loss_scale is not None
+            else dataclasses.replace(objective, loss_scale=make_loss_scale())
+            for name, objective in objectives.items()}
+

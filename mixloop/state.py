@@ -1,0 +1,44 @@
+"""The run's counters: updates made, and per objective the skipped ones, kept in variables so a
+checkpoint carries them and the compiled inner loop updates them."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def _counter(name: str) -> tf.Variable:
+    return tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
+
+
+class SkipCounters(tf.Module):
+    """One objective's skipped updates: in total, in a row, and which gradients started the streak."""
+
+    def __init__(self, num_variables: int, name: str):
+        super().__init__(name=name)
+        self.skipped_total = _counter("skipped_total")
+        self.consecutive_skips = _counter("consecutive_skips")
+        # Which gradients were non-finite in the first skipped update of the latest streak.
+        self.first_nonfinite = tf.Variable(tf.zeros([num_variables], tf.bool), trainable=False,
+                                           name="first_nonfinite")
+
+    def record(self, applied: tf.Tensor, nonfinite_gradients: tf.Variable) -> None:
+        """Counts one update of this objective, applied or skipped (graph-safe)."""
+        starts_streak = tf.logical_and(tf.logical_not(applied), self.consecutive_skips == 0)
+        self.first_nonfinite.assign(tf.where(starts_streak, nonfinite_gradients, self.first_nonfinite))
+        self.consecutive_skips.assign(
+            tf.where(applied, tf.constant(0, tf.int64), self.consecutive_skips + 1))
+        self.skipped_total.assign_add(1 - tf.cast(applied, tf.int64))
+
+
+class RunState(tf.Module):
+    """The update counter shared by all objectives, and one `SkipCounters` per objective."""
+
+    def __init__(self, num_variables: dict[str, int]):
+        super().__init__(name="run_state")
+        self.global_step = _counter("global_step")  # Updates made, skipped ones included.
+        self.skips = {name: SkipCounters(count, name=f"skips_{name}")
+                      for name, count in num_variables.items()}
+
+    def skipped_totals(self) -> dict[str, int]:
+        """Per objective, the updates skipped so far in the run."""
+        return {name: int(counters.skipped_total.numpy()) for name, counters in self.skips.items()}

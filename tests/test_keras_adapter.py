@@ -1,0 +1,57 @@
+"""Pins every Keras private name mixloop reads (mixloop/keras_adapter.py): each test fails loudly,
+naming the name, when a Keras release changes it."""
+
+import keras
+import tensorflow as tf
+
+from mixloop import distribution, keras_adapter
+from mixloop.layer_precision import building_under
+from mixloop.policy import Policy
+
+
+def test_sublayers_lists_direct_children_such_as_attentions_softmax():
+    attention = keras.layers.MultiHeadAttention(2, 4, dropout=0.1)
+    attention(tf.ones((1, 3, 8)), tf.ones((1, 3, 8)))
+    sublayers = keras_adapter.sublayers(attention)
+    assert any(isinstance(layer, keras.layers.Softmax) for layer in sublayers)
+    assert not any(layer is attention for layer in sublayers)
+
+
+def test_output_layers_of_a_functional_model_and_of_a_plain_layer():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, name="hidden")(inputs)
+    model = keras.Model(inputs, {"logits": keras.layers.Dense(2, name="logits")(hidden),
+                                 "hidden": hidden})
+    assert sorted(layer.name for layer in keras_adapter.output_layers(model)) == ["hidden", "logits"]
+    assert keras_adapter.output_layers(keras.layers.Dense(2)) == []
+
+
+def test_fresh_name_counters_number_unnamed_layers_afresh():
+    keras.layers.Softmax()  # some earlier softmax in the process
+    names = []
+    for _ in range(2):
+        with building_under(Policy.from_string("float32")):
+            names.append(keras.layers.Softmax().name)
+    assert names == ["softmax", "softmax"]
+
+
+def test_leave_gradients_summed_stops_keras_summing_over_replicas_again():
+    """Two replicas each apply the gradient 1.0 (already all-reduced) with SGD(1.0) to a variable at 0:
+    Keras alone sums them again (-2.0); after the adapter each replica applies its own (-1.0)."""
+    strategy = distribution.make_strategy("mirrored")
+    results = {}
+    for summed in (False, True):
+        with strategy.scope():
+            variable = tf.Variable(0.0)
+            optimizer = keras.optimizers.SGD(1.0)
+            optimizer.build([variable])
+            if summed:
+                keras_adapter.leave_gradients_summed(optimizer)
+
+        @tf.function
+        def apply():
+            strategy.run(lambda: optimizer.apply([tf.constant(1.0)], [variable]))
+
+        apply()
+        results[summed] = float(variable.numpy())
+    assert results == {False: -2.0, True: -1.0}

@@ -1,0 +1,197 @@
+"""Several objectives in one step: their own variables, optimizers and float16 loss scales, one
+forward pass, one all-reduce; and the EMA of the weights against a NumPy reference."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import mixloop
+from mixloop import distribution
+from mixloop.loss import LossContractError
+
+OVERFLOW = 1e9  # Multiplies objective b's loss: finite in float32, its float16 backward overflows.
+NUM_STEPS, BATCH = 6, 8
+OVERFLOW_STEPS = (1, 2)  # Updates (0-based) whose batches make b overflow.
+
+
+def two_headed_model():
+    """One input, two heads: `a` and `b`, each an objective's only layer."""
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, {"a": keras.layers.Dense(2, name="a")(inputs),
+                                "b": keras.layers.Dense(2, name="b")(inputs)})
+
+
+def two_losses(outputs, batch):
+    """Objective a: squared error. Objective b: squared error times the batch's `boost`, with a
+    train metric each."""
+    x, y, boost = batch
+    error_a = tf.reduce_mean(tf.square(outputs["a"] - y))
+    error_b = tf.reduce_mean(tf.square(outputs["b"] - y))
+    return {"a": mixloop.Loss(error_a, metrics={"error_a": error_a}),
+            "b": mixloop.Loss(error_b * boost[0], metrics={"error_b": error_b})}
+
+
+def batches():
+    rng = np.random.default_rng(3)
+    for step in range(NUM_STEPS):
+        boost = OVERFLOW if step in OVERFLOW_STEPS else 1.0
+        yield (rng.normal(size=(BATCH, 4)).astype("float32"), rng.normal(size=(BATCH, 2)).astype("float32"),
+               np.full([BATCH], boost, "float32"))
+
+
+def build_two_objective_step(strategy, ema_decay=0.0, accumulation_steps=1):
+    keras.utils.set_random_seed(5)
+    policy = mixloop.Policy.from_string("mixed_float16")
+    with strategy.scope():
+        model = mixloop.build_model(two_headed_model, policy)
+        objectives = {
+            name: mixloop.Objective(model.get_layer(name), keras.optimizers.SGD(0.1),
+                                    mixloop.DynamicLossScale(initial_scale=2.0**10, growth_interval=1000))
+            for name in ("a", "b")}
+        return mixloop.TrainStep(model=model, objectives=objectives, loss_fn=two_losses, policy=policy,
+                                 accumulation_steps=accumulation_steps, ema_decay=ema_decay)
+
+
+def run(strategy, step):
+    """Runs the step over `batches()` (distributed as the Trainer does); returns each update's
+    reports as NumPy and the weights of both heads after each update."""
+    dataset = tf.data.Dataset.from_generator(
+        batches, output_signature=(tf.TensorSpec([BATCH, 4]), tf.TensorSpec([BATCH, 2]),
+                                   tf.TensorSpec([BATCH])))
+    reports, weights = [], []
+    for batch in distribution.distribute(strategy, lambda: dataset, BATCH):
+        reports.append(tf.nest.map_structure(lambda v: v.numpy(), step(batch)))
+        weights.append({name: [v.numpy() for v in objective.variables]
+                        for name, objective in step.objectives.items()})
+    return reports, weights
+
+
+STRATEGIES = {"one replica": lambda: tf.distribute.get_strategy(),
+              "two replicas": lambda: distribution.make_strategy("mirrored")}
+
+
+@pytest.mark.parametrize("strategy_name", STRATEGIES)
+def test_an_overflow_in_one_objective_skips_only_its_update_and_backs_off_only_its_scale(strategy_name):
+    strategy = STRATEGIES[strategy_name]()
+    step = build_two_objective_step(strategy)
+    initial_b = [v.numpy() for v in step.objectives["b"].variables]
+    reports, weights = run(strategy, step)
+
+    a = [r["objectives"]["a"] for r in reports]
+    b = [r["objectives"]["b"] for r in reports]
+    assert [bool(r["applied"]) for r in a] == [True] * NUM_STEPS
+    assert [bool(r["applied"]) for r in b] == [True, False, False, True, True, True]
+    assert [float(r["loss_scale"]) for r in a] == [2.0**10] * NUM_STEPS
+    assert [float(r["loss_scale"]) for r in b] == [2.0**10, 2.0**10, 2.0**9, 2.0**8, 2.0**8, 2.0**8]
+    assert float(step.objectives["b"].loss_scale.scale) == 2.0**8
+    # b's weights stand still through its skips; a's move on every update.
+    for before, after in zip(weights[0]["b"], weights[2]["b"]):
+        np.testing.assert_array_equal(before, after)
+    assert not np.array_equal(weights[0]["a"][0], weights[2]["a"][0])
+    assert not np.array_equal(initial_b[0], weights[0]["b"][0])
+    # The optimizers count applied updates only.
+    assert step.objectives["a"].optimizer.iterations.numpy() == NUM_STEPS
+    assert step.objectives["b"].optimizer.iterations.numpy() == NUM_STEPS - len(OVERFLOW_STEPS)
+    assert step.nonfinite_variable_paths("b") == ["b/kernel", "b/bias"]
+    assert step.nonfinite_variable_paths("a") == []
+    # Each objective's metrics come with its own report.
+    assert set(a[0]["metrics"]) == {"error_a"} and set(b[0]["metrics"]) == {"error_b"}
+    np.testing.assert_allclose(b[0]["metrics"]["error_b"], b[0]["loss"], rtol=1e-6)
+
+
+def test_objective_a_trains_exactly_as_it_would_alone():
+    """b's overflows leave a's update sequence bit-identical to a step with a alone."""
+    strategy = tf.distribute.get_strategy()
+    _, both = run(strategy, build_two_objective_step(strategy))
+
+    keras.utils.set_random_seed(5)
+    policy = mixloop.Policy.from_string("mixed_float16")
+    model = mixloop.build_model(two_headed_model, policy)
+    alone = mixloop.TrainStep(
+        model=model, loss_fn=lambda outputs, batch: two_losses(outputs, batch)["a"], policy=policy,
+        objectives={"a": mixloop.Objective(model.get_layer("a"), keras.optimizers.SGD(0.1),
+                                           mixloop.DynamicLossScale(initial_scale=2.0**10, growth_interval=1000))})
+    _, single = run(strategy, alone)
+    for update_both, update_single in zip(both, single):
+        for x, y in zip(update_both["a"], update_single["a"]):
+            np.testing.assert_array_equal(x, y)
+
+
+def collective_ops(step, strategy):
+    dataset = tf.data.Dataset.from_generator(
+        batches, output_signature=(tf.TensorSpec([BATCH, 4]), tf.TensorSpec([BATCH, 2]),
+                                   tf.TensorSpec([BATCH])))
+    batch = next(iter(distribution.distribute(strategy, lambda: dataset, BATCH)))
+    step(batch)
+    graph = step._compiled.get_concrete_function(batch).graph
+    return [op.type for op in graph.get_operations() if op.type.startswith("Collective")]
+
+
+def test_two_objectives_communicate_no_more_than_one():
+    """Both objectives' gradients and sums go in the step's one all-reduce call: the graph holds
+    exactly the collective ops of a one-objective step over the same variables (TensorFlow packs
+    one call into a few ops)."""
+    strategy = distribution.make_strategy("mirrored")
+    two = collective_ops(build_two_objective_step(strategy), strategy)
+    policy = mixloop.Policy.from_string("mixed_float16")
+    strategy = distribution.make_strategy("mirrored")
+    with strategy.scope():
+        model = mixloop.build_model(two_headed_model, policy)
+        one = collective_ops(mixloop.TrainStep(
+            model=model, optimizer=keras.optimizers.SGD(0.1), policy=policy,
+            loss_fn=lambda outputs, batch: sum(loss.value for loss in two_losses(outputs, batch).values())),
+            strategy)
+    assert two and two == one
+
+
+def test_a_dict_without_every_objective_is_one_line_naming_the_keys():
+    strategy = tf.distribute.get_strategy()
+    step = build_two_objective_step(strategy)
+    step.loss_fn = lambda outputs, batch: {"a": two_losses(outputs, batch)["a"]}
+    step._traced_metric_names = None
+    with pytest.raises(LossContractError, match=r"keys \['a', 'b'\]; got \['a'\]"):
+        step(next(batches()))
+
+
+@pytest.mark.parametrize("strategy_name", STRATEGIES)
+def test_ema_follows_applied_updates_only_as_numpy_computes_it(strategy_name):
+    strategy = STRATEGIES[strategy_name]()
+    decay = 0.75
+    step = build_two_objective_step(strategy, ema_decay=decay)
+    initial = {name: [v.numpy() for v in objective.variables]
+               for name, objective in step.objectives.items()}
+    reports, weights = run(strategy, step)
+
+    for name in ("a", "b"):
+        expected = initial[name]
+        for report, after in zip(reports, weights):
+            if report["objectives"][name]["applied"]:
+                expected = [np.float32(decay) * average + np.float32(1 - decay) * value
+                            for average, value in zip(expected, after[name])]
+        for average, value in zip(step.ema[name].averages, expected):
+            np.testing.assert_allclose(average.numpy(), value, rtol=1e-6, atol=1e-7)
+
+
+def test_a_skipped_update_leaves_the_ema_bit_identical():
+    strategy = tf.distribute.get_strategy()
+    step = build_two_objective_step(strategy, ema_decay=0.5)
+    seen = []
+    for batch in batches():
+        step(batch)
+        seen.append([v.numpy() for v in step.ema["b"].averages])
+    for before, after in zip(seen[0], seen[2]):  # Updates 1 and 2 of b were skipped.
+        np.testing.assert_array_equal(before, after)
+    assert not np.array_equal(seen[2][0], seen[3][0])
+
+
+def test_the_ema_swaps_in_and_back_out():
+    step = build_two_objective_step(tf.distribute.get_strategy(), ema_decay=0.5)
+    for batch in batches():
+        step(batch)
+    trained = [v.numpy() for v in step.objectives["a"].variables]
+    with step.ema["a"].swapped_in():
+        for variable, average in zip(step.objectives["a"].variables, step.ema["a"].averages):
+            np.testing.assert_array_equal(variable.numpy(), average.numpy())
+    for variable, value in zip(step.objectives["a"].variables, trained):
+        np.testing.assert_array_equal(variable.numpy(), value)

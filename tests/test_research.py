@@ -1,0 +1,154 @@
+"""Research Trainers: several objectives, actions, extra state and EMA through the whole run
+(TensorBoard tags, checkpoints, resume, eval and export), on one and two replicas."""
+
+import glob
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import mixloop
+import tiny_experiment
+
+OVERFLOW_STEPS = (3, 4, 5)  # 1-based updates whose batches make objective `b` overflow float16.
+
+
+class TwoHeadTrainer(tiny_experiment.TinyTrainer):
+    """TinyTrainer's data with two heads, two objectives (own Adam, own loss scale), an action every
+    `model.action_every` updates that bumps a curriculum counter, and an eval-time text summary."""
+
+    def build_model(self):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="relu", name="body")(inputs)
+        return keras.Model(inputs, {"a": keras.layers.Dense(3, name="a")(hidden),
+                                    "b": keras.layers.Dense(3, name="b")(inputs)})
+
+    def build_datasets(self):
+        train, evaluation = super().build_datasets()
+        # A third element, the batch's boost of b's loss: huge (float16 overflow) at OVERFLOW_STEPS.
+        boosts = tf.data.Dataset.from_tensor_slices(
+            [1e9 if step in OVERFLOW_STEPS else 1.0 for step in range(1, 1001)])
+        zip_boost = lambda batch, boost: (*batch, tf.fill([tf.shape(batch[0])[0]], boost))
+        train = tf.data.Dataset.zip((train.repeat(), boosts)).map(zip_boost)
+        evaluation = evaluation.map(lambda x, y: (x, y, tf.ones_like(y, tf.float32)))
+        return train, evaluation
+
+    def build_objectives(self):
+        a = keras.Sequential([self.model.get_layer("body"), self.model.get_layer("a")])
+        return {"a": mixloop.Objective(a, keras.optimizers.Adam(1e-2)),
+                "b": mixloop.Objective(self.model.get_layer("b"), keras.optimizers.Adam(1e-2))}
+
+    def compute_loss(self, outputs, batch):
+        x, y, boost = batch
+        ce = lambda logits: tf.reduce_mean(
+            keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+        correct = tf.cast(tf.equal(tf.argmax(outputs["a"], -1, output_type=tf.int32), y), tf.float32)
+        return {"a": mixloop.Loss(ce(outputs["a"]), metrics={"accuracy": tf.reduce_mean(correct)}),
+                "b": ce(outputs["b"]) * boost[0]}
+
+    def eval_metrics(self, outputs, batch):
+        losses = mixloop.loss.as_losses(self.compute_loss(outputs, batch), self.objectives)
+        return {f"loss_{name}": loss.value for name, loss in losses.items()}
+
+    def extra_state(self):
+        self.curriculum = tf.Variable(0, dtype=tf.int64, trainable=False, name="curriculum")
+        return {"curriculum": self.curriculum}
+
+    def actions(self):
+        self.action_steps = {"every": [], "eval": []}
+
+        def bump(step):
+            self.action_steps["every"].append(step)
+            self.curriculum.assign_add(1)
+
+        def sample(step):
+            self.action_steps["eval"].append(step)
+            tf.summary.text("sample", f"curriculum {int(self.curriculum.numpy())}", step=step)
+
+        return [mixloop.Action(bump, every_steps=self.config.model.action_every),
+                mixloop.Action(sample, at_eval=True)]
+
+
+def make(workdir, trainer_class=TwoHeadTrainer, **overrides):
+    config = tiny_experiment.get_config()
+    config.model.action_every = 7
+    config.train.accumulation_steps = 1
+    config.deterministic = True
+    for key, value in overrides.items():
+        section, _, field = key.rpartition(".")
+        (config[section] if section else config)[field] = value
+    return trainer_class(config, str(workdir))
+
+
+def events(directory):
+    """{tag: [(step, value)]} for scalars, and {tag: [(step, text)]} for text summaries."""
+    found = {}
+    for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                array = tf.make_ndarray(value.tensor)
+                item = array.item().decode() if array.dtype == object else float(array)
+                found.setdefault(value.tag, []).append((event.step, item))
+    return found
+
+
+@pytest.mark.parametrize("distribution", ["one_device", "mirrored"])
+def test_two_objectives_report_their_own_scales_and_skips(tmp_path, distribution):
+    trainer = make(tmp_path, distribution=distribution, **{"train.num_steps": 20})
+    trainer.train()
+    train = events(str(tmp_path / "train"))
+    assert {"loss/a", "loss/b", "loss_scale/a", "loss_scale/b", "skipped_total/a", "skipped_total/b",
+            "learning_rate/a", "learning_rate/b", "accuracy"} <= set(train)
+    assert [value for _, value in train["skipped_total/b"]] == [3.0, 3.0]
+    assert [value for _, value in train["skipped_total/a"]] == [0.0, 0.0]
+    assert train["loss_scale/a"][-1][1] == 2.0**15
+    assert train["loss_scale/b"][-1][1] == 2.0**15 / 2**3  # Backed off once per overflow.
+    assert trainer.objectives["b"].optimizer.iterations.numpy() == 20 - len(OVERFLOW_STEPS)
+    assert trainer.objectives["a"].optimizer.iterations.numpy() == 20
+
+
+def test_actions_run_at_their_cadence_and_write_into_tensorboard(tmp_path):
+    trainer = make(tmp_path, **{"train.num_steps": 20, "eval.every_steps": 10})
+    trainer.train()
+    assert trainer.action_steps == {"every": [7, 14], "eval": [10, 20]}
+    samples = events(str(tmp_path / "eval"))["sample"]
+    assert samples == [(10, "curriculum 1"), (20, "curriculum 2")]
+
+
+def test_extra_state_and_both_objectives_survive_a_stop_and_resume(tmp_path):
+    straight = make(tmp_path / "straight", **{"train.num_steps": 30})
+    straight.train()
+    make(tmp_path / "resumed", **{"train.num_steps": 15}).train()
+    resumed = make(tmp_path / "resumed", **{"train.num_steps": 30})
+    resumed.train()
+    assert int(resumed.curriculum.numpy()) == int(straight.curriculum.numpy()) == 4  # 7, 14, 21, 28
+    assert resumed.action_steps["every"] == [21, 28]
+    for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for name in ("a", "b"):
+        assert (resumed.objectives[name].loss_scale.scale.numpy()
+                == straight.objectives[name].loss_scale.scale.numpy())
+        assert resumed.state.skipped_totals() == straight.state.skipped_totals() == {"a": 0, "b": 3}
+
+
+def test_ema_weights_are_evaluated_exported_and_resumed(tmp_path):
+    overrides = {"train.num_steps": 20, "train.ema_decay": 0.9, "precision.policy": "float32"}
+    trainer = make(tmp_path / "ema", tiny_experiment.TinyTrainer, **overrides)
+    trainer.train()
+    averages = trainer.train_step.ema["model"].averages
+    trained = trainer.model.get_weights()
+    assert not np.array_equal(averages[0].numpy(), trained[0])
+    # Eval reads the EMA weights: the same numbers as a model holding them.
+    with trainer.ema_weights():
+        ema_weights = trainer.model.get_weights()
+    np.testing.assert_array_equal(ema_weights[0], averages[0].numpy())
+    exported = keras.saving.load_model(str(tmp_path / "ema" / "model.keras"))
+    np.testing.assert_array_equal(exported.get_weights()[0], averages[0].numpy())
+    for a, b in zip(trainer.model.get_weights(), trained):  # The trained weights are back.
+        np.testing.assert_array_equal(a, b)
+    # The averages are checkpointed.
+    again = make(tmp_path / "ema", tiny_experiment.TinyTrainer, **overrides)
+    again.restore()
+    np.testing.assert_array_equal(again.train_step.ema["model"].averages[0].numpy(), averages[0].numpy())
