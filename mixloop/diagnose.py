@@ -1,12 +1,13 @@
 """The precision doctor: `python -m mixloop.diagnose --config=PATH[:VARIANT] [--workdir=DIR] [--steps=N]
-[--output=DIR] [--loss_scale=X] [--config.KEY=VALUE]`.
+[--output=DIR] [--loss_scale=X] [--objective=NAME] [--config.KEY=VALUE]`.
 
 Builds the experiment's Trainer as `mixloop.train` does, restores the workdir's latest checkpoint if
-there is one (and writes nothing there), runs `mixloop.precision_report.diagnose` on the next N train
-batches and prints the report. With --output it also writes, into that directory, `report.json`,
-TensorBoard histograms of the gradients' log2 magnitudes, and `gradient_histogram.png` (when
-matplotlib is installed: `pip install -e '.[plot]'`). Any problem with the input is one line on
-stderr and exit status 2.
+there is one (and writes nothing there), diagnoses each of its objectives (or only --objective) on
+the same next N train batches with `mixloop.precision_report`, and prints one report per objective.
+With --output it also writes, into that directory (with several objectives, into its subdirectory
+named for the objective), `report.json`, TensorBoard histograms of the gradients' log2 magnitudes,
+and `gradient_histogram.png` (when matplotlib is installed: `pip install -e '.[plot]'`). Any problem
+with the input is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tensorboard.plugins.histogram import metadata as histogram_metadata
 
 from mixloop import cli
 from mixloop.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, NOISE_SCALE, DtypeRange,
-                                     PrecisionReport, diagnose)
+                                     PrecisionReport, diagnose_objectives)
 
 _STEPS = flags.DEFINE_integer("steps", 4, "Train batches to diagnose.", lower_bound=1)
 _OUTPUT = flags.DEFINE_string(
@@ -35,23 +36,29 @@ _OUTPUT = flags.DEFINE_string(
 _LOSS_SCALE = flags.DEFINE_float(
     "loss_scale", None, "Loss scale to examine the gradients at; defaults to the run's current scale."
 )
+_OBJECTIVE = flags.DEFINE_string(
+    "objective", None, "The objective to diagnose; by default every objective, one report each."
+)
 flags.register_validator(
     "loss_scale", lambda value: value is None or 0 < value < math.inf, "must be positive and finite"
 )
 
 
-def diagnose_experiment(config, workdir: str, num_batches: int,
-                        loss_scale: Optional[float] = None) -> PrecisionReport:
+def diagnose_experiment(config, workdir: str, num_batches: int, loss_scale: Optional[float] = None,
+                        objective: Optional[str] = None) -> list[PrecisionReport]:
     """Validates `config`, builds its Trainer, restores `workdir`'s latest checkpoint if any, and
-    diagnoses `num_batches` train batches. Writes nothing.
+    diagnoses `objective` (by default every objective, in turn) on the same `num_batches` train
+    batches; one report per objective. Writes nothing.
 
     Raises:
-      UserError: for a bad config, a checkpoint that does not fit, or what `diagnose` refuses.
+      UserError: for a bad config, a checkpoint that does not fit, an unknown objective, or what
+        `diagnose` refuses.
     """
     trainer = cli.build_trainer(config, workdir)
     checkpoint = trainer.restore()
     logging.info("Diagnosing %s", checkpoint or f"the initial weights (no checkpoint in {workdir})")
-    return diagnose(trainer, num_batches, loss_scale)
+    names = list(trainer.objectives) if objective is None else [objective]
+    return diagnose_objectives(trainer, names, num_batches, loss_scale)
 
 
 # ----- The console table. -----
@@ -61,7 +68,8 @@ def format_report(report: PrecisionReport) -> str:
     """The report as console text: a header, the layer and variable tables, problems and advice."""
     scale, comparison = _scale_text(report.loss_scale), _scale_text(report.comparison_scale)
     lines = [
-        f"Precision report: {report.trainer} at step {report.step}, policy {report.policy}",
+        f"Precision report: {report.trainer}{_objective_text(report)} at step {report.step}, "
+        f"policy {report.policy}",
         f"{report.num_batches} batches ({report.num_micro_batches} micro-batches), loss scale {scale}, "
         f"mixed pass at loss scale {comparison}",
         "",
@@ -102,6 +110,11 @@ def format_report(report: PrecisionReport) -> str:
     return "\n".join(lines + ["", "Advice:"] + _advice_lines(report))
 
 
+def _objective_text(report: PrecisionReport) -> str:
+    """", objective 'NAME'" when the trainer has several objectives, else nothing."""
+    return f", objective {report.objective!r}" if len(report.objectives) > 1 else ""
+
+
 def _comparison_legend(report: PrecisionReport) -> list[str]:
     """What the mixed-pass columns compare, at which loss scale and why that one, wrapped."""
     comparison, dtype = _scale_text(report.comparison_scale), report.compute_dtype
@@ -129,7 +142,8 @@ def _advice_lines(report: PrecisionReport) -> list[str]:
     if advice.initial_scale is None:
         scale = f"not needed: {report.compute_dtype} has float32's exponent range"
     else:
-        scale = (f"{_scale_text(advice.initial_scale)}: the largest gradient left in float16, "
+        whose = f" of objective {report.objective!r}" if len(report.objectives) > 1 else ""
+        scale = (f"{_scale_text(advice.initial_scale)}: the largest gradient{whose} left in float16, "
                  f"{_number(advice.largest_gradient)}, stays {MARGIN_BITS} doublings below "
                  f"{DtypeRange.of('float16').max_finite:g}, and "
                  f"{_percent(advice.initial_scale_zero_fraction)} of gradients flush to zero")
@@ -142,7 +156,24 @@ def _advice_lines(report: PrecisionReport) -> list[str]:
     if advice.overrides:
         lines.append("  to apply:         " + " ".join(
             shlex.quote(f"--config.{key}={value}") for key, value in advice.overrides.items()))
+    if advice.initial_scale is not None and len(report.objectives) > 1:
+        lines += _shared_scale_note(report)
     return lines
+
+
+def _shared_scale_note(report: PrecisionReport) -> list[str]:
+    """Why the advised initial scale, one objective's, is not simply applied with several objectives:
+    config.precision starts every objective's loss scale; the note says how to give it its own."""
+    own = {key.partition(".")[2]: value for key, value in report.advice.overrides.items()
+           if key in ("precision.initial_scale", "precision.max_scale", "precision.min_scale")}
+    arguments = ", ".join(f"{key}={value!r}" for key, value in own.items())
+    return textwrap.wrap(
+        f"config.precision starts the loss scale of every objective ({', '.join(report.objectives)}) "
+        f"that build_objectives gives none of its own, so this scale, advised for {report.objective!r} "
+        "alone, would start the others too: apply the smallest the reports advise, or give "
+        f"{report.objective!r} a loss scale of its own, mixloop.Objective(..., "
+        f"loss_scale=mixloop.DynamicLossScale({arguments})).", width=100,
+        initial_indent="  shared scale:     ", subsequent_indent=" " * 20)
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
@@ -266,7 +297,8 @@ def write_histogram_png(report: PrecisionReport, path: str) -> bool:
         ax.bar(exponents + shift, counts, width=1.0, align="edge", color="black",
                label="gradient values")
         ax.set(yscale="log", xlim=(-140, 132), ylabel="values per bin",
-               title=f"{report.trainer}, step {report.step}: 16-bit gradients {title}")
+               title=f"{report.trainer}{_objective_text(report)}, step {report.step}: 16-bit "
+                     f"gradients {title}")
     axes[-1].set_xlabel("log2 |gradient|")
     axes[0].legend(loc="upper left", fontsize="small")
     figure.savefig(path, dpi=120)
@@ -276,12 +308,20 @@ def write_histogram_png(report: PrecisionReport, path: str) -> bool:
 # ----- The command. -----
 
 
+def output_directory(report: PrecisionReport, output: str) -> str:
+    """Where --output=`output` puts the report's files: `output`, or with several objectives its
+    subdirectory named for the report's objective."""
+    return output if len(report.objectives) == 1 else os.path.join(output, report.objective)
+
+
 def main() -> None:
     config, workdir = cli.experiment_from_flags()
-    report = diagnose_experiment(config, workdir, _STEPS.value, _LOSS_SCALE.value)
-    print(format_report(report))
+    reports = diagnose_experiment(config, workdir, _STEPS.value, _LOSS_SCALE.value, _OBJECTIVE.value)
+    print("\n\n".join(format_report(report) for report in reports))
     if _OUTPUT.value:
-        logging.info("Wrote %s", ", ".join(write_outputs(report, _OUTPUT.value)))
+        for report in reports:
+            written = write_outputs(report, output_directory(report, _OUTPUT.value))
+            logging.info("Wrote %s", ", ".join(written))
 
 
 if __name__ == "__main__":

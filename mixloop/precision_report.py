@@ -30,14 +30,23 @@ The advice keeps `MARGIN_BITS` doublings free for batches and updates the diagno
     bfloat16 is safe  = every 16-bit value stays MARGIN_BITS doublings inside bfloat16's range, and at
                         most UNDERFLOW_TOLERANCE of the gradients flush to zero without a loss scale
 
+A model with several objectives (a GAN's generator and discriminator) is diagnosed one objective at
+a time, each on the same batches (`diagnose_objectives`): gradients are those of that objective's
+loss by its own variables, examined at its own loss scale, and the layers' output gradients are those
+of its loss; the layers' values come from the one forward pass all objectives share. The advised
+initial scale is that objective's, while `config.precision` starts every objective's loss scale (unless
+`build_objectives` gives it its own).
+
 Gradients are those of one micro-batch's loss per weight (its mean), which is what the train step
 scales and differentiates; a variable the loss does not reach has a zero gradient. Layers are
 observed by wrapping each layer's `call` while the diagnosis runs, which works alike for functional,
 sequential and subclassed models and reaches sublayers (attention projections). Limits: values made
 between layers by plain ops (a residual add) appear only as the next layer's input; Keras's dropout
-and noise layers run in inference mode in every pass so that their masks cannot differ, but other
-random layers draw differently in each pass, so the float32 gradients they reach disagree with their
-repeat and get no rel.err; a variable read by several layers (tied embeddings) is counted in the
+and noise layers run in inference mode in every pass so that their masks cannot differ; every pass
+over a micro-batch starts from the same non-trainable state, so other draws from a Keras
+`SeedGenerator` of the model (a GAN's noise) repeat too, but draws from outside the model's variables
+differ in each pass, so the float32 gradients they reach disagree with their repeat and get no
+rel.err; a variable read by several layers (tied embeddings) is counted in the
 compute dtype of the layer that owns it. Every micro-batch's float32 gradients are held until the
 mixed pass, so memory grows with num_batches.
 """
@@ -49,7 +58,7 @@ import dataclasses
 import itertools
 import math
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import keras
 import ml_collections
@@ -61,7 +70,7 @@ from mixloop.config import parse_loss_scale
 from mixloop.errors import UserError
 from mixloop.layer_precision import build_model, named_layers
 from mixloop.policy import Policy
-from mixloop.loss import as_loss
+from mixloop.loss import as_losses
 from mixloop.step import forward, per_weight, split_micro_batches
 
 MARGIN_BITS = 3  # Doublings of headroom kept free for batches and updates the diagnosis did not see.
@@ -176,9 +185,11 @@ class Advice:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
-    """The diagnosis of one model at one step; `diagnose` makes it."""
+    """The diagnosis of one objective of one model at one step; `diagnose` makes it."""
 
     trainer: str  # config.trainer.
+    objective: str  # The objective diagnosed: whose loss, variables and loss scale.
+    objectives: list[str]  # Every objective of the trainer (one report each).
     policy: str  # The trainer's policy, "params=..,compute=..,output=..".
     compute_dtype: str
     step: int  # The trainer's global step: which weights were diagnosed.
@@ -190,7 +201,7 @@ class PrecisionReport:
     gradient_subnormal_fraction: float
     gradient_overflow_fraction: float
     layers: list[LayerReport]  # In the order they were first called.
-    variables: list[VariableReport]  # In the order of model.trainable_variables.
+    variables: list[VariableReport]  # The objective's, in the order of its variables.
     advice: Advice
 
     def gradient_histogram(self) -> dict[int, int]:
@@ -202,28 +213,62 @@ class PrecisionReport:
         return dataclasses.asdict(self)
 
 
-def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None) -> PrecisionReport:
-    """Compares the trainer's model in its policy with float32 on its next `num_batches` train batches.
+def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None,
+             objective: Optional[str] = None) -> PrecisionReport:
+    """Compares one objective of the trainer's model in its policy with float32 on the trainer's next
+    `num_batches` train batches.
 
-    Every pass starts from the trainer's current weights (call `trainer.restore()` first to diagnose a
-    checkpoint) and sees the same micro-batches, split as the train step splits them; the mixed pass
-    runs at the comparison scale of the module docstring. The model's variables are left
-    bit-identical and the optimizer and loss scale untouched, but `trainer.train_iterator` advances
-    by `num_batches`.
+    The objective's loss is its entry in what `compute_loss` returns, its gradients are those of its
+    variables, and its loss scale is its own. Every pass starts from the trainer's current weights
+    (call `trainer.restore()` first to diagnose a checkpoint) and sees the same micro-batches, split as
+    the train step splits them; the mixed pass runs at the comparison scale of the module docstring.
+    The model's variables are left bit-identical and the optimizers and loss scales untouched, but
+    `trainer.train_iterator` advances by `num_batches`.
 
     Args:
       trainer: a constructed `mixloop.Trainer`.
       num_batches: train batches to read, at least 1.
-      loss_scale: the loss scale to examine gradients at; by default the trainer's current scale.
+      loss_scale: the loss scale to examine gradients at; by default the objective's current scale.
+      objective: the name of the objective to diagnose; None for a trainer's only objective.
 
     Raises:
       UserError: when the policy computes in float32, so there is nothing to compare, when the
-        trainer's strategy has several replicas (the passes run eagerly on one device), or when
-        the train data has no batch left.
+        trainer's strategy has several replicas (the passes run eagerly on one device), when the
+        train data has no batch left, or when `objective` names none of the trainer's objectives (or
+        is None while there are several).
       ValueError: when `num_batches` is below 1 or `loss_scale` is not positive and finite.
     """
-    policy = trainer.policy
-    if policy.compute_dtype == tf.float32:
+    if objective is None:
+        if len(trainer.objectives) > 1:
+            raise UserError(f"the trainer has several objectives, {list(trainer.objectives)}; name "
+                            "the one to diagnose")
+        objective = next(iter(trainer.objectives))
+    return diagnose_objectives(trainer, [objective], num_batches, loss_scale)[0]
+
+
+def diagnose_objectives(trainer, objectives: Sequence[str], num_batches: int = 4,
+                        loss_scale: Optional[float] = None) -> list[PrecisionReport]:
+    """`diagnose` for each of the named `objectives` in turn, all on the same `num_batches` batches
+    (the train iterator advances once); one report per objective, in the order given.
+
+    Raises:
+      UserError, ValueError: as `diagnose`.
+    """
+    _check_diagnosable(trainer, objectives, num_batches, loss_scale)
+    batches = list(itertools.islice(trainer.train_iterator, num_batches))
+    if not batches:
+        raise UserError("the train data has no batches left to diagnose")
+    micro_batches = [micro_batch for batch in batches
+                     for micro_batch in _micro_batches(batch, trainer.train_step.accumulation_steps)]
+    twin = build_model(trainer.build_model, Policy.from_string("float32"))
+    return [_diagnose_objective(trainer, name, twin, micro_batches, len(batches), loss_scale)
+            for name in objectives]
+
+
+def _check_diagnosable(trainer, objectives: Sequence[str], num_batches: int,
+                       loss_scale: Optional[float]) -> None:
+    """Raises `diagnose`'s errors for what it refuses before reading any data."""
+    if trainer.policy.compute_dtype == tf.float32:
         raise UserError(
             f"precision.policy={trainer.config.precision.policy!r} computes in float32: there is "
             "nothing to compare; diagnose a 16-bit policy, e.g. --config.precision.policy=mixed_float16"
@@ -234,41 +279,46 @@ def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None) 
             f"{trainer.config.distribution!r} gives {trainer.strategy.num_replicas_in_sync} replicas; "
             "add --config.distribution=one_device"
         )
+    unknown = [name for name in objectives if name not in trainer.objectives]
+    if unknown:
+        raise UserError(f"unknown objective {unknown[0]!r}; the trainer's objectives are "
+                        f"{list(trainer.objectives)}")
     if num_batches < 1:
         raise ValueError(f"num_batches must be at least 1, got {num_batches!r}")
-    scale = float(trainer.loss_scale.scale.numpy()) if loss_scale is None else float(loss_scale)
-    if not 0 < scale < math.inf:
+    if loss_scale is not None and not 0 < loss_scale < math.inf:
         raise ValueError(f"loss_scale must be positive and finite, got {loss_scale!r}")
 
-    batches = list(itertools.islice(trainer.train_iterator, num_batches))
-    if not batches:
-        raise UserError("the train data has no batches left to diagnose")
-    micro_batches = [micro_batch for batch in batches
-                     for micro_batch in _micro_batches(batch, trainer.train_step.accumulation_steps)]
 
-    model = trainer.model
-    twin = build_model(trainer.build_model, Policy.from_string("float32"))
-    twin.set_weights(model.get_weights())
+def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batches: list,
+                        num_batches: int, loss_scale: Optional[float]) -> PrecisionReport:
+    """The report on `objective`, from passes over `micro_batches` (read from `num_batches` batches)."""
+    policy, model = trainer.policy, trainer.model
+    scale = float(trainer.objectives[objective].loss_scale.scale.numpy() if loss_scale is None
+                  else loss_scale)
     saved = [variable.numpy() for variable in model.variables]
+    # All variables, not get_weights(), which leaves out seed generators' states.
+    _assign(twin.variables, saved)
     try:
-        layers, variables, comparison_scale = _measure(trainer, twin, micro_batches, scale)
+        layers, variables, comparison_scale = _measure(trainer, objective, twin, micro_batches, scale)
     finally:
         # The forward passes ran in training mode, which moves e.g. BatchNorm statistics.
-        for variable, value in zip(model.variables, saved):
-            variable.assign(value)
+        _assign(model.variables, saved)
 
     # Pooled over every gradient value computed in 16 bits.
     low_variables = [v for v in variables if v.dtype != "float32"]
     num_values = sum(v.num_values for v in low_variables) or 1
     fractions = [sum(getattr(v, name) * v.num_values for v in low_variables) / num_values
                  for name in ("zero_fraction", "subnormal_fraction", "overflow_fraction")]
+    # With several objectives, each gradient problem says whose loss it is about.
+    whose = f"objective {objective!r}: " if len(trainer.objectives) > 1 else ""
     return PrecisionReport(
-        trainer=trainer.config.trainer, policy=str(policy), compute_dtype=policy.compute_dtype.name,
-        step=int(trainer.global_step.numpy()), num_batches=len(batches),
+        trainer=trainer.config.trainer, objective=objective, objectives=list(trainer.objectives),
+        policy=str(policy), compute_dtype=policy.compute_dtype.name,
+        step=int(trainer.global_step.numpy()), num_batches=num_batches,
         num_micro_batches=len(micro_batches), loss_scale=scale, comparison_scale=comparison_scale,
         gradient_zero_fraction=fractions[0], gradient_subnormal_fraction=fractions[1],
         gradient_overflow_fraction=fractions[2], layers=layers, variables=variables,
-        advice=_advise(layers, variables, fractions, scale, policy, trainer.config.precision),
+        advice=_advise(layers, variables, fractions, scale, policy, trainer.config.precision, whose),
     )
 
 
@@ -284,29 +334,43 @@ class _Call:
 @dataclasses.dataclass
 class _Pass:
     calls: dict[int, list[_Call]]  # Layer index -> its calls, in order of the layers' first calls.
-    grads: list[np.ndarray]  # Unscaled float32 gradients of the trainable variables.
+    grads: list[np.ndarray]  # Unscaled float32 gradients of the objective's variables.
     output_grads: dict[int, list[list[np.ndarray]]]  # Layer index -> per call, its outputs' gradients.
 
 
-def _measure(trainer, twin: keras.Model, micro_batches: list,
+@dataclasses.dataclass(frozen=True)
+class _Net:
+    """What a pass runs: `model` in `policy`, recording `layers` (all of the model's, by index) and
+    differentiating the objective's loss by `variables` (the objective's, in this model)."""
+
+    model: keras.Model
+    policy: Policy
+    layers: list
+    variables: list
+
+
+def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list,
              scale: float) -> tuple[list[LayerReport], list[VariableReport], float]:
     """Runs the float32 passes over every micro-batch, then the mixed pass at the comparison scale
-    their gradients give; returns the layer reports, the variable reports and that scale."""
+    their gradients give; returns the layer reports, the variable reports of `objective` and that
+    scale."""
     model, policy = trainer.model, trainer.policy
     model_layers = list(named_layers(model).items())
     layer_tallies = {index: _LayerTally(path, layer.compute_dtype)
                      for index, (path, layer) in enumerate(model_layers)
                      if tf.as_dtype(layer.compute_dtype).is_floating}
-    dtypes = _gradient_dtypes(model_layers, model.trainable_variables, policy)
-    variable_tallies = [_VariableTally(v.path, dtype)
-                        for v, dtype in zip(model.trainable_variables, dtypes)]
-    order, float32_grads = _measure_float32(trainer, twin, micro_batches, scale, layer_tallies,
-                                            variable_tallies)
+    variables = trainer.objectives[objective].variables
+    dtypes = _gradient_dtypes(model_layers, variables, policy)
+    variable_tallies = [_VariableTally(v.path, dtype) for v, dtype in zip(variables, dtypes)]
+    float32_net = _Net(twin, Policy.from_string("float32"), list(named_layers(twin).values()),
+                       _twin_variables(model, twin, variables))
+    order, float32_grads, states = _measure_float32(trainer, objective, float32_net, micro_batches,
+                                                    scale, layer_tallies, variable_tallies)
     layers = [layer_tallies[i] for i in order]
     comparison_scale = _comparison_scale(scale, layers, variable_tallies, policy.compute_dtype)
-    recorded = [layer for _, layer in model_layers]
-    for micro_batch, grads in zip(micro_batches, float32_grads):
-        mixed = _forward_backward(trainer, model, policy, recorded, micro_batch, comparison_scale)
+    mixed_net = _Net(model, policy, [layer for _, layer in model_layers], variables)
+    for micro_batch, grads, state in zip(micro_batches, float32_grads, states):
+        mixed = _forward_backward(trainer, objective, mixed_net, micro_batch, comparison_scale, state)
         for index in order:
             layer_tallies[index].add_mixed(mixed.calls.get(index, []))
         for tally, float32_grad, mixed_grad in zip(variable_tallies, grads, mixed.grads):
@@ -316,19 +380,25 @@ def _measure(trainer, twin: keras.Model, micro_batches: list,
             comparison_scale)
 
 
-def _measure_float32(trainer, twin: keras.Model, micro_batches: list, scale: float,
+def _twin_variables(model: keras.Model, twin: keras.Model, variables: list) -> list:
+    """The twin's counterparts of `variables`, trainable variables of `model`: those in the same
+    places of the twin's `trainable_variables` (both models come from one `build_model`)."""
+    places = {id(variable): index for index, variable in enumerate(model.trainable_variables)}
+    return [twin.trainable_variables[places[id(variable)]] for variable in variables]
+
+
+def _measure_float32(trainer, objective: str, net: _Net, micro_batches: list, scale: float,
                      layer_tallies: dict[int, _LayerTally], variable_tallies: list[_VariableTally]
-                     ) -> tuple[list[int], list[list[np.ndarray]]]:
-    """Runs the float32 pass over every micro-batch and repeats it at NOISE_SCALE, adding both to the
-    tallies; returns the indices of the layers called, in the order of their first calls, and every
-    micro-batch's float32 gradients."""
-    twin_layers = list(named_layers(twin).values())
-    float32 = Policy.from_string("float32")
+                     ) -> tuple[list[int], list[list[np.ndarray]], list[list[np.ndarray]]]:
+    """Runs the float32 pass of `net` over every micro-batch and repeats it at NOISE_SCALE, adding
+    both to the tallies; returns the indices of the layers called, in the order of their first calls,
+    every micro-batch's float32 gradients, and the non-trainable state each micro-batch started from."""
     order: dict[int, None] = {}
-    float32_grads = []
+    float32_grads, states = [], []
     for micro_batch in micro_batches:
-        reference = _forward_backward(trainer, twin, float32, twin_layers, micro_batch, 1.0)
-        repeat = _forward_backward(trainer, twin, float32, twin_layers, micro_batch, NOISE_SCALE)
+        states.append([variable.numpy() for variable in net.model.non_trainable_variables])
+        reference = _forward_backward(trainer, objective, net, micro_batch, 1.0, states[-1])
+        repeat = _forward_backward(trainer, objective, net, micro_batch, NOISE_SCALE, states[-1])
         order.update(dict.fromkeys(i for i in reference.calls if i in layer_tallies))
         for index in order:
             layer_tallies[index].add_float32(reference.calls.get(index, []),
@@ -336,7 +406,7 @@ def _measure_float32(trainer, twin: keras.Model, micro_batches: list, scale: flo
         for tally, grad, repeated_grad in zip(variable_tallies, reference.grads, repeat.grads):
             tally.add_float32(grad, repeated_grad, scale)
         float32_grads.append(reference.grads)
-    return list(order), float32_grads
+    return list(order), float32_grads, states
 
 
 def _comparison_scale(scale: float, layers: list, variables: list, compute_dtype: tf.DType) -> float:
@@ -358,16 +428,19 @@ def _micro_batches(batch: Any, num_micro_batches: int) -> list:
     return [tf.nest.map_structure(lambda t, i=i: t[i], split) for i in range(num_micro_batches)]
 
 
-def _forward_backward(trainer, model: keras.Model, policy: Policy, layers: list, batch: Any,
-                      scale: float) -> _Pass:
-    """The train step's micro-step in `policy`, recording every layer call; gradients are unscaled."""
-    with tf.GradientTape() as tape, _recording_calls(layers, tape.watch) as calls:
-        outputs = forward(model, policy, trainer.model_inputs(batch), training=True)
-        loss = as_loss(trainer.compute_loss(outputs, batch))
+def _forward_backward(trainer, objective: str, net: _Net, batch: Any, scale: float,
+                      state: list[np.ndarray]) -> _Pass:
+    """The train step's micro-step for `objective` through `net`, recording every layer call;
+    gradients are unscaled. It starts from the non-trainable `state` (seed generators' states,
+    BatchNorm statistics), so that every pass over a micro-batch draws the same random numbers."""
+    _assign(net.model.non_trainable_variables, state)
+    with tf.GradientTape() as tape, _recording_calls(net.layers, tape.watch) as calls:
+        outputs = forward(net.model, net.policy, trainer.model_inputs(batch), training=True)
+        loss = as_losses(trainer.compute_loss(outputs, batch), trainer.objectives)[objective]
         scaled_loss = per_weight(loss.value, tf.stop_gradient(loss.weight)) * scale  # as the step does
     layer_outputs = {index: [call.outputs for call in records] for index, records in calls.items()}
-    grads, output_grads = tape.gradient(scaled_loss, (model.trainable_variables, layer_outputs))
-    grads = [tf.zeros(v.shape) if g is None else g for g, v in zip(grads, model.trainable_variables)]
+    grads, output_grads = tape.gradient(scaled_loss, (net.variables, layer_outputs))
+    grads = [tf.zeros(v.shape) if g is None else g for g, v in zip(grads, net.variables)]
     output_grads = tf.nest.map_structure(
         lambda g, t: tf.zeros_like(t) if g is None else g, output_grads, layer_outputs)
     return _Pass(
@@ -410,6 +483,11 @@ def _recording_calls(layers: list, watch) -> Iterator[dict[int, list[_Call]]]:
                 object.__delattr__(layer, "call")
             else:
                 object.__setattr__(layer, "call", own_call)
+
+
+def _assign(variables: list, values: list[np.ndarray]) -> None:
+    for variable, value in zip(variables, values):
+        variable.assign(value)
 
 
 def _floating(structure: Any) -> list[tf.Tensor]:
@@ -563,8 +641,9 @@ class _VariableTally:
 
 
 def _advise(layers: list[LayerReport], variables: list[VariableReport], fractions: list[float],
-            scale: float, policy: Policy, precision: ml_collections.ConfigDict) -> Advice:
-    """The advice of the module docstring, with the problems that motivate it."""
+            scale: float, policy: Policy, precision: ml_collections.ConfigDict, whose: str) -> Advice:
+    """The advice of the module docstring, with the problems that motivate it; `whose` begins each
+    problem of the objective's gradients ("" with a single objective)."""
     low_layers = [layer for layer in layers if layer.compute_dtype != "float32"]
     low_variables = [variable for variable in variables if variable.dtype != "float32"]
     hot = [layer for layer in low_layers if not layer.float32_non_finite_outputs
@@ -591,7 +670,7 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
     # Only a bfloat16 run shows whether bfloat16 itself turns finite inputs into inf or NaN.
     bfloat16_breaks = policy.compute_dtype == tf.bfloat16 and any(l.creates_non_finite for l in hot)
     return Advice(
-        problems=_problems(layers, hot, fractions, scale, policy.compute_dtype.name),
+        problems=_problems(layers, hot, fractions, scale, policy.compute_dtype.name, whose),
         float32_layers=hot_paths, float32_layers_regex=regex, largest_gradient=largest_grad,
         initial_scale=initial_scale, initial_scale_zero_fraction=zero_fraction,
         bfloat16_headroom_bits=bfloat16_headroom, bfloat16_zero_fraction=bfloat16_zero_fraction,
@@ -608,18 +687,18 @@ def _largest_gradient(layers: list, variables: list) -> float:
 
 
 def _problems(layers: list[LayerReport], hot: list[LayerReport], fractions: list[float], scale: float,
-              dtype_name: str) -> list[str]:
+              dtype_name: str, whose: str) -> list[str]:
     problems = [f"{layer.path}: {layer.float32_non_finite_outputs} outputs are inf or NaN even in "
                 "float32, which no precision setting fixes" for layer in layers
                 if layer.float32_non_finite_outputs]
     problems += [_hot_layer_problem(layer) for layer in hot]
     zero_fraction, _, overflow_fraction = fractions
     if zero_fraction > UNDERFLOW_TOLERANCE:
-        problems.append(f"gradients underflow at loss scale {scale:g}: {zero_fraction:.1%} of nonzero "
-                        f"values flush to zero in {dtype_name}")
+        problems.append(f"{whose}gradients underflow at loss scale {scale:g}: {zero_fraction:.1%} of "
+                        f"nonzero values flush to zero in {dtype_name}")
     if overflow_fraction > 0:
-        problems.append(f"gradients overflow at loss scale {scale:g}: {overflow_fraction:.2%} of values "
-                        f"become inf in {dtype_name}, which skips the update")
+        problems.append(f"{whose}gradients overflow at loss scale {scale:g}: {overflow_fraction:.2%} of "
+                        f"values become inf in {dtype_name}, which skips the update")
     return problems
 
 

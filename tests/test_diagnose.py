@@ -14,11 +14,13 @@ import pytest
 import tensorflow as tf
 
 import hot_experiment
+import mixloop
 import tiny_experiment
 from mixloop import diagnose as diagnose_cli
 from mixloop.errors import UserError
-from mixloop.precision_report import DtypeRange, diagnose
+from mixloop.precision_report import DtypeRange, diagnose, diagnose_objectives
 from mixloop.cli import import_trainer
+from mixloop.objective import SINGLE
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FLOAT16 = DtypeRange.of(tf.float16)
@@ -45,6 +47,51 @@ class ZeroGradientTrainer(hot_experiment.HotTrainer):
         fed_zeros = keras.layers.Dense(4, name="fed_zeros")(zeros)
         x = keras.layers.Concatenate(name="both")([normalized, fed_zeros])
         return keras.Model(inputs, keras.layers.Dense(3, name="logits")(x))
+
+
+class TwoHeadTrainer(hot_experiment.FaintTrainer):
+    """Two objectives on the faint experiment's data: `a`, the body and head `a`, with the plain loss,
+    and `b`, head `b` alone, with a loss LOUD_FACTOR times as large, whose gradients alone overflow
+    float16 at the default loss scale 2^15."""
+
+    def build_model(self):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="relu", name="body")(inputs)
+        return keras.Model(inputs, {"a": keras.layers.Dense(3, name="a")(hidden),
+                                    "b": keras.layers.Dense(3, name="b")(hidden)})
+
+    def build_objectives(self):
+        a = keras.Sequential([self.model.get_layer("body"), self.model.get_layer("a")])
+        return {"a": mixloop.Objective(a, keras.optimizers.Adam(1e-3)),
+                "b": mixloop.Objective(self.model.get_layer("b"), keras.optimizers.Adam(1e-3))}
+
+    def compute_loss(self, outputs, batch):
+        loss = lambda logits: hot_experiment.HotTrainer.compute_loss(self, logits, batch)
+        return {"a": loss(outputs["a"]), "b": LOUD_FACTOR * loss(outputs["b"])}
+
+
+class AddNoise(keras.layers.Layer):
+    """Adds unit Gaussian noise, in training as `keras.layers.GaussianNoise` does but from its own
+    `SeedGenerator` (a GAN's noise, say), which the doctor does not switch to inference mode."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1)
+
+    def call(self, x):
+        return x + keras.random.normal(keras.ops.shape(x), dtype=self.compute_dtype,
+                                       seed=self.seed_generator)
+
+
+class NoisyTrainer(hot_experiment.FaintTrainer):
+    """The faint experiment's MLP, with the plain loss, reading its inputs with noise added."""
+
+    def build_model(self):
+        inputs = keras.Input((8,))
+        x = keras.layers.Dense(16, activation="relu", name="body")(AddNoise(name="noise")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(3, name="logits")(x))
+
+    compute_loss = hot_experiment.HotTrainer.compute_loss
 
 
 def make_trainer(module, workdir, arg=None, **overrides):
@@ -119,12 +166,12 @@ def test_the_advice_cures_a_run_that_skipped_every_step(tmp_path, hot_report):
     # The divergence guard stops a run as soon as the float32 loss is NaN.
     with pytest.raises(UserError, match="diverged at step 1: the float32 loss is nan"):
         before.train()
-    assert int(before.skipped_total.numpy()) == int(before.global_step.numpy()) == 1
+    assert before.state.skipped_totals() == {SINGLE: int(before.global_step.numpy())} == {SINGLE: 1}
 
     after = make_trainer(hot_experiment, tmp_path / "after", **hot_report.advice.overrides)
     after.train()
-    assert int(after.skipped_total.numpy()) == 0
-    assert float(after.loss_scale.scale) == hot_report.advice.initial_scale
+    assert after.state.skipped_totals() == {SINGLE: 0}
+    assert float(after.objectives[SINGLE].loss_scale.scale) == hot_report.advice.initial_scale
 
 
 def test_a_healthy_model_has_no_problems_and_is_left_bit_identical(tmp_path):
@@ -200,6 +247,53 @@ def test_a_diagnosis_leaves_every_layer_call_as_it_found_it(tmp_path):
 
     assert body.__dict__["call"] is instance_call
     assert "call" not in trainer.model.get_layer("logits").__dict__
+
+
+def test_only_the_objective_whose_gradients_overflow_is_reported_so(tmp_path):
+    trainer = make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.TwoHeadTrainer")
+    variables = [v.numpy() for v in trainer.model.variables]
+    a, b = diagnose_objectives(trainer, ["a", "b"], num_batches=2)
+
+    assert (a.objective, b.objective, a.objectives) == ("a", "b", ["a", "b"])
+    assert [v.path for v in a.variables] == ["body/kernel", "body/bias", "a/kernel", "a/bias"]
+    assert [v.path for v in b.variables] == ["b/kernel", "b/bias"]
+    assert a.loss_scale == b.loss_scale == 2.0**15
+    assert a.advice.problems == [] and a.gradient_overflow_fraction == 0
+    assert a.comparison_scale == a.loss_scale
+    assert b.gradient_overflow_fraction > 0.5
+    assert b.advice.problems[0].startswith("objective 'b': gradients overflow at loss scale 32768")
+    assert len(b.advice.problems) == 1
+    # b is compared below its loss scale, its head's gradient within a few roundings of float32's.
+    assert b.comparison_scale < b.loss_scale
+    assert all(v.relative_error < 4 * FLOAT16.eps for v in b.variables)
+    # b's advised scale is smaller than a's by about the factor between their losses, 2^10.
+    assert 8 <= math.log2(a.advice.initial_scale / b.advice.initial_scale) <= 12
+    text = diagnose_cli.format_report(b)
+    assert text.startswith("Precision report: test_diagnose.TwoHeadTrainer, objective 'b' at step 0")
+    assert "the largest gradient of objective 'b' left in float16" in text
+    assert "mixloop.DynamicLossScale(initial_scale=" in text
+    for before, after in zip(variables, trainer.model.variables):
+        np.testing.assert_array_equal(before, after.numpy())
+
+
+def test_each_objective_of_several_sees_the_same_batches_and_must_be_named(tmp_path):
+    trainer = make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.TwoHeadTrainer")
+    alone = diagnose(trainer, num_batches=1, objective="b")
+    trainer = make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.TwoHeadTrainer")
+    _, together = diagnose_objectives(trainer, ["a", "b"], num_batches=1)
+    assert together == alone
+
+    with pytest.raises(UserError, match=r"several objectives, \['a', 'b'\]; name the one"):
+        diagnose(trainer)
+    with pytest.raises(UserError, match=r"unknown objective 'c'; the trainer's objectives are \['a', 'b'\]"):
+        diagnose(trainer, objective="c")
+
+
+def test_every_pass_draws_the_noise_of_the_models_seed_generator_alike(tmp_path):
+    trainer = make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.NoisyTrainer")
+    trainer.model(tf.zeros([1, 8]), training=True)  # The seed state moves on from the twin's initial one.
+    report = diagnose(trainer, num_batches=2)
+    assert all(v.relative_error < 4 * FLOAT16.eps for v in report.variables)
 
 
 def test_a_float32_policy_has_nothing_to_compare(tmp_path):
@@ -280,6 +374,7 @@ def test_cli_diagnoses_the_latest_checkpoint_and_leaves_the_workdir(tmp_path):
     (["--steps=0"], "flag --steps=0"),
     (["--loss_scale=-1"], "flag --loss_scale=-1.0: must be positive and finite"),
     (["--config.precision.policy=float32"], "precision.policy='float32' computes in float32"),
+    (["--objective=generator"], "unknown objective 'generator'; the trainer's objectives are ['model']"),
 ])
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     workdir = tmp_path / "never"
