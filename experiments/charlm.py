@@ -39,7 +39,7 @@ from absl import logging
 
 import mixloop
 from mixloop.config import base_config
-from mixloop.step import forward
+from mixloop.engine.step import forward
 
 VOCAB_SIZE = 256  # Bytes: every file encodes without a vocabulary to build or store.
 SAMPLE_PROMPT = b"def "  # Every eval's sample continues a function definition.

@@ -48,9 +48,9 @@ import numpy as np
 import tensorflow as tf
 
 import mixloop
-from mixloop import optimizers
+from mixloop.runner import optimizers
 from mixloop.config import base_config
-from mixloop.step import forward
+from mixloop.engine.step import forward
 
 from experiments.digits import NUM_CLASSES, load_digits_arrays
 

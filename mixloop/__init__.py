@@ -1,13 +1,13 @@
 """mixloop: explicit mixed-precision training for TensorFlow 2 and Keras 3."""
 
-from mixloop.actions import Action
-from mixloop.layer_precision import build_model, keep_float32_layers
-from mixloop.loss import Loss
-from mixloop.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, all_finite
-from mixloop.objective import Objective
-from mixloop.policy import Policy
-from mixloop.step import TrainStep
-from mixloop.trainer import Trainer
+from mixloop.engine.layer_precision import build_model, keep_float32_layers
+from mixloop.engine.loss import Loss
+from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, all_finite
+from mixloop.engine.objective import Objective
+from mixloop.engine.policy import Policy
+from mixloop.engine.step import TrainStep
+from mixloop.runner.actions import Action
+from mixloop.runner.trainer import Trainer
 
 __all__ = [
     "Action",

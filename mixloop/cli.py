@@ -36,7 +36,7 @@ def import_trainer(path: str) -> type:
         trainer_class = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError) as error:
         raise UserError(f"config.trainer={path!r} does not import: {error}") from None
-    from mixloop.trainer import Trainer  # Imported here so `--help` stays fast.
+    from mixloop.runner.trainer import Trainer  # Imported here so `--help` stays fast.
 
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise UserError(f"config.trainer={path!r} is not a subclass of mixloop.Trainer")

@@ -15,8 +15,8 @@ from typing import Any
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from mixloop.engine.policy import Policy
 from mixloop.errors import UserError
-from mixloop.policy import Policy
 
 # Sections the experiment owns: any keys are allowed there.
 FREE_FORM_SECTIONS = ("model", "data")

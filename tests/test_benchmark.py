@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import tensorflow as tf
-
 import tiny_experiment
-from mixloop import benchmark
+
+from mixloop.tools import benchmark
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")

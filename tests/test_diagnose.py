@@ -8,19 +8,19 @@ import os
 import subprocess
 import sys
 
+import hot_experiment
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import hot_experiment
-import mixloop
 import tiny_experiment
-from mixloop import diagnose as diagnose_cli
-from mixloop.errors import UserError
-from mixloop.precision_report import DtypeRange, diagnose, diagnose_objectives
+
+import mixloop
 from mixloop.cli import import_trainer
-from mixloop.objective import SINGLE
+from mixloop.engine.objective import SINGLE
+from mixloop.errors import UserError
+from mixloop.tools import diagnose as diagnose_cli
+from mixloop.tools.precision_report import DtypeRange, diagnose, diagnose_objectives
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FLOAT16 = DtypeRange.of(tf.float16)

@@ -10,10 +10,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import tiny_experiment
 
 import mixloop
-import tiny_experiment
-from mixloop import distribution
+from mixloop.runner import distribution
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 

@@ -7,13 +7,13 @@ import os
 import subprocess
 import sys
 
+import faulty_experiment
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import faulty_experiment
-from mixloop import guard, workdir
 from mixloop.errors import UserError
+from mixloop.runner import guard, workdir
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FAULTY_CONFIG = os.path.join(TESTS_DIR, "faulty_experiment.py")

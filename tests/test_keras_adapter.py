@@ -4,9 +4,10 @@ naming the name, when a Keras release changes it."""
 import keras
 import tensorflow as tf
 
-from mixloop import distribution, keras_adapter
-from mixloop.layer_precision import building_under
-from mixloop.policy import Policy
+from mixloop.engine import keras_adapter
+from mixloop.engine.layer_precision import building_under
+from mixloop.engine.policy import Policy
+from mixloop.runner import distribution
 
 
 def test_sublayers_lists_direct_children_such_as_attentions_softmax():

@@ -9,10 +9,10 @@ import tensorflow as tf
 
 import mixloop
 from mixloop.config import ConfigError
-from mixloop.layer_precision import (FLOAT32_LAYER_TYPES, describe_placement,
-                                     building_under, keep_float32_layers, named_layers)
-from mixloop.policy import Policy
-from mixloop.step import TrainStep
+from mixloop.engine.layer_precision import (FLOAT32_LAYER_TYPES, building_under, describe_placement,
+                                            keep_float32_layers, named_layers)
+from mixloop.engine.policy import Policy
+from mixloop.engine.step import TrainStep
 
 NUM_TOKENS, SEQ_LEN, WIDTH, NUM_CLASSES, BATCH_SIZE = 32, 6, 8, 3, 4
 COMPUTE_DTYPES = {"float32": "float32", "mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}

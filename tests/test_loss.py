@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 import mixloop
+from mixloop.engine.loss import LossContractError, as_loss
 from mixloop.errors import UserError
-from mixloop.loss import LossContractError, as_loss
 
 
 def test_a_mean_is_a_sum_of_weight_one():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mixloop.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, all_finite
+from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, all_finite
 
 
 def reference_scales(flags, *, initial_scale, growth_interval, growth_factor, backoff_factor,

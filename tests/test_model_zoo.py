@@ -13,11 +13,11 @@ import pytest
 import tensorflow as tf
 
 import mixloop
-from mixloop.layer_precision import named_layers
-from mixloop.loss_scale import DynamicLossScale, NoLossScale
-from mixloop.policy import Policy
-from mixloop.loss import as_loss
-from mixloop.step import forward
+from mixloop.engine.layer_precision import named_layers
+from mixloop.engine.loss import as_loss
+from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
+from mixloop.engine.policy import Policy
+from mixloop.engine.step import forward
 
 keras_hub = pytest.importorskip("keras_hub")
 

@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import mixloop
-from mixloop import distribution
-from mixloop.loss import LossContractError
+from mixloop.engine.loss import LossContractError
+from mixloop.runner import distribution
 
 OVERFLOW = 1e9  # Multiplies objective b's loss: finite in float32, its float16 backward overflows.
 NUM_STEPS, BATCH = 6, 8

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mixloop.config import base_config
-from mixloop.optimizers import build_optimizer, learning_rate_schedule
+from mixloop.runner.optimizers import build_optimizer, learning_rate_schedule
 
 
 def optimizer_config(**fields):

@@ -5,7 +5,7 @@ import re
 import pytest
 import tensorflow as tf
 
-from mixloop.policy import Policy
+from mixloop.engine.policy import Policy
 
 F32, F16, BF16 = tf.float32, tf.float16, tf.bfloat16
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import tensorflow as tf
 
-from mixloop import reporting
 from mixloop.errors import UserError
+from mixloop.runner import reporting
 
 
 def interval_after(loops, objectives=("model",), skipped=4):

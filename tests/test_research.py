@@ -8,9 +8,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import tiny_experiment
 
 import mixloop
-import tiny_experiment
 
 OVERFLOW_STEPS = (3, 4, 5)  # 1-based updates whose batches make objective `b` overflow float16.
 
@@ -49,7 +49,7 @@ class TwoHeadTrainer(tiny_experiment.TinyTrainer):
                 "b": ce(outputs["b"]) * boost[0]}
 
     def eval_metrics(self, outputs, batch):
-        losses = mixloop.loss.as_losses(self.compute_loss(outputs, batch), self.objectives)
+        losses = mixloop.engine.loss.as_losses(self.compute_loss(outputs, batch), self.objectives)
         return {f"loss_{name}": loss.value for name, loss in losses.items()}
 
     def extra_state(self):

@@ -8,9 +8,9 @@ import pytest
 import tensorflow as tf
 
 import mixloop
-from mixloop.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
-from mixloop.policy import Policy
-from mixloop.step import TrainStep
+from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
+from mixloop.engine.policy import Policy
+from mixloop.engine.step import TrainStep
 
 NUM_INPUTS, NUM_HIDDEN, BATCH_SIZE = 8, 16, 8
 JIT = pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])

@@ -7,14 +7,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import tiny_experiment
 
 import mixloop
-import tiny_experiment
 from mixloop.config import ConfigError
+from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.errors import UserError
-from mixloop.loss_scale import DynamicLossScale, NoLossScale
-from mixloop.precision_setup import make_loss_scale, make_policy
-from mixloop.trainer import resolve_jit_compile
+from mixloop.runner.precision_setup import make_loss_scale, make_policy
+from mixloop.runner.trainer import resolve_jit_compile
 
 TRAIN_TAGS = {"loss", "loss_scale", "skipped_steps", "skipped_total", "grad_norm", "learning_rate",
               "steps_per_sec", "examples_per_sec"}

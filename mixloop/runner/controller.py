@@ -15,13 +15,13 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from mixloop import guard, reporting, workdir
 from mixloop.errors import UserError
+from mixloop.runner import guard, reporting, workdir
 
 EMPTY_EVAL_DATA = "the eval dataset is empty: build_datasets() returned one with no batches"
 
 if TYPE_CHECKING:
-    from mixloop.trainer import Trainer
+    from mixloop.runner.trainer import Trainer
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

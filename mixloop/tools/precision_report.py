@@ -67,11 +67,11 @@ import numpy as np
 import tensorflow as tf
 
 from mixloop.config import parse_loss_scale
+from mixloop.engine.layer_precision import build_model, named_layers
+from mixloop.engine.loss import as_losses
+from mixloop.engine.policy import Policy
+from mixloop.engine.step import forward, per_weight, split_micro_batches
 from mixloop.errors import UserError
-from mixloop.layer_precision import build_model, named_layers
-from mixloop.policy import Policy
-from mixloop.loss import as_losses
-from mixloop.step import forward, per_weight, split_micro_batches
 
 MARGIN_BITS = 3  # Doublings of headroom kept free for batches and updates the diagnosis did not see.
 UNDERFLOW_TOLERANCE = 0.01  # The fraction of nonzero gradient values allowed to flush to zero.

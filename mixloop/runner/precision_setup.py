@@ -6,8 +6,8 @@ import ml_collections
 import tensorflow as tf
 
 from mixloop.config import ConfigError, parse_loss_scale
-from mixloop.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, _LossScale
-from mixloop.policy import Policy
+from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, _LossScale
+from mixloop.engine.policy import Policy
 
 
 def auto_policy_name() -> tuple[str, str]:

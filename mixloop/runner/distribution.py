@@ -10,6 +10,7 @@ import os
 from typing import Callable
 
 import tensorflow as tf
+
 from mixloop.config import DISTRIBUTIONS
 from mixloop.errors import UserError
 

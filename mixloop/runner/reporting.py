@@ -10,8 +10,8 @@ from typing import Any, Collection, Mapping
 import tensorflow as tf
 from absl import logging
 
-from mixloop import guard
 from mixloop.errors import UserError
+from mixloop.runner import guard
 
 
 class MetricWriter:

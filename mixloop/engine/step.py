@@ -21,12 +21,12 @@ from typing import Any, Callable, Mapping, Optional
 import keras
 import tensorflow as tf
 
-from mixloop import keras_adapter
-from mixloop.ema import ExponentialMovingAverage
-from mixloop.loss import Loss, LossContractError, as_losses
-from mixloop.loss_scale import NoLossScale, _LossScale, leaves_finite
-from mixloop.objective import SINGLE, Objective, with_loss_scales
-from mixloop.policy import Policy
+from mixloop.engine import keras_adapter
+from mixloop.engine.ema import ExponentialMovingAverage
+from mixloop.engine.loss import Loss, LossContractError, as_losses
+from mixloop.engine.loss_scale import NoLossScale, _LossScale, leaves_finite
+from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
+from mixloop.engine.policy import Policy
 
 Batch = Any
 

@@ -17,15 +17,16 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mixloop import (checkpointing, controller, distribution, guard, layer_precision, optimizers,
-                     precision_setup, reporting)
 from mixloop.config import ConfigError
-from mixloop.actions import Action
+from mixloop.engine import layer_precision
+from mixloop.engine.loss import as_losses
+from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
+from mixloop.engine.step import Batch, TrainStep, default_input_fn, forward, masked_paths
 from mixloop.errors import UserError
-from mixloop.loss import as_losses
-from mixloop.objective import SINGLE, Objective, with_loss_scales
-from mixloop.state import RunState
-from mixloop.step import Batch, TrainStep, default_input_fn, forward, masked_paths
+from mixloop.runner import (checkpointing, controller, distribution, guard, optimizers,
+                            precision_setup, reporting)
+from mixloop.runner.actions import Action
+from mixloop.runner.state import RunState
 
 
 class Trainer:

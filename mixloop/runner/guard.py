@@ -11,8 +11,8 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
+from mixloop.engine.loss_scale import DynamicLossScale
 from mixloop.errors import UserError
-from mixloop.loss_scale import DynamicLossScale
 
 CONTINUE = 0
 END_OF_DATA = 1

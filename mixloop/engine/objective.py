@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import keras
 
-from mixloop.loss_scale import _LossScale
+from mixloop.engine.loss_scale import _LossScale
 
 SINGLE = "model"  # The name of the one objective of a model with one loss.
 

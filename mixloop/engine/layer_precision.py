@@ -26,9 +26,9 @@ from typing import Callable, Iterator
 
 import keras
 
-from mixloop import keras_adapter
 from mixloop.config import ConfigError
-from mixloop.policy import Policy
+from mixloop.engine import keras_adapter
+from mixloop.engine.policy import Policy
 
 # Layer types whose own arithmetic loses too much in 16 bits, as measured by
 # tests/test_layer_precision.py::test_default_float32_types_are_the_ones_16_bits_break: softmax

@@ -1,0 +1,431 @@
+"""Speed: `python -m mixloop.benchmark --config=PATH[:VARIANT] [--quick] [--repeats=N] [--output=FILE.json]
+[--config.KEY=VALUE]`.
+
+Builds the experiment's Trainer once (its data, `build_model`, `compute_loss` and optimizer config) and
+times, in one process, the same optimizer updates on the same batches done several ways:
+
+    keras-fit        Keras's global dtype policy, a fresh `build_model()`, `model.compile` with the same
+                     optimizer (in a LossScaleOptimizer for float16) and loss, `model.fit` as it comes
+                     (on a CPU-only machine Keras leaves XLA off)
+    keras-fit-tuned  the same with jit_compile=True and steps_per_execution=train.steps_per_loop
+    bare             a hand-written tf.function loop: forward, loss, gradient, clipping and update in
+                     the same precision, with XLA as the Trainer's step; no loss scale, no
+                     accumulation, no metrics. The floor.
+    mixloop          the configured Trainer's compiled inner loop, called as the outer loop calls it
+    mixloop KEY=...  the same with one setting changed: accumulation_steps 1, 4 and 8 (same global
+                     batch); policy float32, mixed_float16 and mixed_bfloat16; loss_scale dynamic and
+                     none in float16 (the only dtype where a dynamic scale does anything); jit_compile
+                     the other way round
+
+Every variant is built and warmed up first, which traces all it will run. Then the repeats run
+interleaved (A B C ... A B C ...), so a busy neighbour slows every variant alike. A repeat is
+`train.steps_per_loop` updates of `train.batch_size` examples (the same batches for every variant),
+timed with `perf_counter` until its last result is read back to the host. The table prints each
+variant's median examples/s and the median over repeats of its ratio to keras-fit and to bare;
+`--output` writes the same, and the headline ratios, as JSON. The benchmark needs one replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Callable
+
+import keras
+import ml_collections
+import tensorflow as tf
+from absl import flags, logging
+
+from mixloop import cli
+from mixloop.config import validate
+from mixloop.engine import layer_precision
+from mixloop.engine.loss import as_loss
+from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
+from mixloop.engine.step import forward
+from mixloop.errors import UserError
+from mixloop.runner import precision_setup
+from mixloop.runner.trainer import resolve_jit_compile
+
+REPEATS, QUICK_REPEATS = 5, 3
+QUICK_STEPS_PER_LOOP = 5  # --quick caps train.steps_per_loop (and so the updates per repeat) at this.
+ACCUMULATION_STEPS = (1, 4, 8)
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+# The headline ratios, each a median over repeats of (numerator's examples/s / denominator's).
+RATIOS = ("mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare", "dynamic/none", "k8/k1")
+
+
+@dataclasses.dataclass
+class Variant:
+    """One way of training, and the seconds each timed repeat of it took."""
+
+    name: str
+    policy: str  # Keras policy name.
+    accumulation_steps: int
+    loss_scale: str  # The scale in effect: "dynamic", "none" or the static value.
+    xla: bool  # Whether the update is compiled with XLA.
+    run_fn: Callable[[], None] = dataclasses.field(repr=False)  # One repeat, finished on the device.
+    seconds: list[float] = dataclasses.field(default_factory=list)
+
+
+# ----- The variants. -----
+
+
+def fixed_batches(trainer, num_batches: int) -> tf.data.Dataset:
+    """The first `num_batches` train batches, held in memory: every variant trains on these.
+
+    tf.data's autotuning is off: batches in memory have nothing to tune, and `fit` makes a new
+    iterator every epoch (here, every repeat), whose deletion waits for the tuning thread to wake,
+    which adds 1 to 5 seconds to an epoch of 50 updates on a 2-core VM.
+    """
+    iterator = trainer.make_train_iterator(0)
+    batches = [next(iterator) for _ in range(num_batches)]
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    stacked = tf.nest.map_structure(lambda *t: tf.stack(t), *batches)
+    return tf.data.Dataset.from_tensor_slices(stacked).with_options(options)
+
+
+def _with_clipping(optimizer: keras.optimizers.Optimizer, clip_global_norm: float):
+    """The optimizer, clipping the gradient's global norm as the train step does (0: not at all)."""
+    optimizer.global_clipnorm = clip_global_norm or None
+    return optimizer
+
+
+def _keras_loss(trainer) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+    """The experiment's `compute_loss` as a Keras loss, for batches of `(inputs, targets)`."""
+
+    def loss(targets, outputs):
+        loss = as_loss(trainer.compute_loss(tf.cast(outputs, tf.float32), (None, targets)))
+        return loss.value / loss.weight
+
+    return loss
+
+
+def keras_fit_variant(trainer, data: tf.data.Dataset, *, tuned: bool) -> Variant:
+    """`model.fit` as the Keras mixed-precision guide writes it; `tuned` adds XLA and
+    steps_per_execution. One repeat is one epoch of `data`.
+
+    Raises:
+      UserError: when the batches are not `(inputs, targets)` pairs, which is what `fit` takes.
+    """
+    if not (isinstance(data.element_spec, tuple) and len(data.element_spec) == 2):
+        raise UserError("the keras-fit variants need train batches of (inputs, targets), "
+                        f"but build_datasets() gives {data.element_spec}")
+    config, policy = trainer.config, trainer.policy
+    with layer_precision.building_under(policy):
+        model = trainer.build_model()
+    optimizer = _with_clipping(trainer.build_optimizer(), config.train.clip_global_norm)
+    float16 = policy.compute_dtype == tf.float16
+    if float16:
+        optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
+    tuning = dict(jit_compile=True, steps_per_execution=config.train.steps_per_loop) if tuned else {}
+    model.compile(optimizer=optimizer, loss=_keras_loss(trainer), **tuning)
+    epoch = data.prefetch(tf.data.AUTOTUNE)
+    return Variant("keras-fit-tuned" if tuned else "keras-fit", policy.keras_name, 1,
+                   "dynamic" if float16 else "none", model.jit_compile,
+                   lambda: model.fit(epoch, verbose=0))
+
+
+def bare_variant(trainer, data: tf.data.Dataset) -> Variant:
+    """The least any framework does: forward, loss, gradient, clipping, update, in a tf.function loop."""
+    config, policy = trainer.config, trainer.policy
+    model = layer_precision.build_model(trainer.build_model, policy, config.precision.float32_layers)
+    optimizer = _with_clipping(trainer.build_optimizer(), config.train.clip_global_norm)
+
+    @tf.function(jit_compile=trainer.jit_compile)
+    def step(batch):
+        with tf.GradientTape() as tape:
+            outputs = forward(model, policy, trainer.model_inputs(batch), training=True)
+            loss = as_loss(trainer.compute_loss(outputs, batch))
+            loss = loss.value / loss.weight
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    @tf.function
+    def loop(iterator, num_steps):
+        loss = tf.constant(0.0)
+        for _ in tf.range(num_steps):
+            loss = step(next(iterator))
+        return loss
+
+    iterator = iter(data.repeat().prefetch(tf.data.AUTOTUNE))
+    num_steps = tf.constant(config.train.steps_per_loop)
+    return Variant("bare", policy.keras_name, 1, "none", trainer.jit_compile,
+                   lambda: loop(iterator, num_steps).numpy())
+
+
+def _with_data(trainer_class: type, data: tf.data.Dataset) -> type:
+    """A subclass of `trainer_class` that trains on `data` and has no eval data."""
+
+    def build_datasets(self):
+        return data, None
+
+    return type(f"Benchmark{trainer_class.__name__}", (trainer_class,), {"build_datasets": build_datasets})
+
+
+def mixloop_variant(name: str, config: ml_collections.ConfigDict, trainer_class: type,
+                    data: tf.data.Dataset, workdir: str) -> Variant:
+    """`trainer_class` on `data`, its compiled inner loop called as the outer loop calls it: one call
+    of steps_per_loop updates, then its totals read back to the host."""
+    trainer = _with_data(trainer_class, data)(config, workdir)
+
+    def run() -> None:
+        trainer.train_loop(config.train.steps_per_loop)  # Totals read back, as the outer loop does.
+
+    return Variant(name, *_settings(config), run)
+
+
+def _settings(config: ml_collections.ConfigDict) -> tuple[str, int, str, bool]:
+    """(policy, accumulation_steps, loss scale in effect, XLA) of a one-replica config: what tells
+    two runs apart."""
+    policy, _ = precision_setup.make_policy(config.precision.policy)
+    scale = precision_setup.make_loss_scale(config.precision, policy)
+    if isinstance(scale, (DynamicLossScale, NoLossScale)):
+        scale_name = "dynamic" if isinstance(scale, DynamicLossScale) else "none"
+    else:
+        scale_name = f"{float(scale.scale):g}"
+    xla = resolve_jit_compile(config.jit_compile, num_replicas=1)
+    return policy.keras_name, config.train.accumulation_steps, scale_name, xla
+
+
+def _float16_policy(config: ml_collections.ConfigDict) -> str:
+    """The configured policy if it computes in float16, else mixed_float16: where loss scales matter."""
+    policy, _ = precision_setup.make_policy(config.precision.policy)
+    return policy.keras_name if policy.compute_dtype == tf.float16 else "mixed_float16"
+
+
+def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collections.ConfigDict]:
+    """The configured run as "mixloop", then each variation "mixloop KEY=VALUE ..." that differs
+    from every earlier one.
+
+    Raises:
+      UserError: naming the variation, when one is not a valid config (e.g. accumulation_steps=8
+        does not divide the batch size).
+    """
+    float16 = _float16_policy(config)
+    changes = [{"train.accumulation_steps": k} for k in ACCUMULATION_STEPS]
+    changes += [{"precision.policy": p} for p in POLICIES]
+    changes += [{"precision.policy": float16, "precision.loss_scale": s} for s in ("dynamic", "none")]
+    changes += [{"jit_compile": not _settings(config)[3]}]
+    configs, seen = {"mixloop": config}, [_settings(config)]
+    for change in changes:
+        name = "mixloop " + " ".join(f"{key.split('.')[-1]}={value}" for key, value in change.items())
+        changed = config.copy_and_resolve_references()
+        for key, value in change.items():
+            *section, field = key.split(".")
+            (changed[section[0]] if section else changed)[field] = value
+        try:
+            validate(changed)
+        except UserError as error:
+            raise UserError(f"the benchmark's variant {name!r} does not fit this config: {error}"
+                            ) from None
+        if _settings(changed) not in seen:
+            configs[name] = changed
+            seen.append(_settings(changed))
+    return configs
+
+
+def build_variants(trainer, mixloop_configs: dict[str, ml_collections.ConfigDict],
+                   workdir: str) -> list[Variant]:
+    """keras-fit, keras-fit-tuned, bare and the mixloop variants, all on the same fixed batches."""
+    data = fixed_batches(trainer, trainer.config.train.steps_per_loop)
+    variants = [keras_fit_variant(trainer, data, tuned=False),
+                keras_fit_variant(trainer, data, tuned=True), bare_variant(trainer, data)]
+    for name, config in mixloop_configs.items():
+        variants.append(mixloop_variant(name, config, type(trainer), data, workdir))
+    return variants
+
+
+# ----- Timing. -----
+
+
+def time_interleaved(variants: list[Variant], repeats: int) -> None:
+    """Runs every variant once untimed (tracing), then `repeats` timed rounds of all of them in turn.
+
+    Python's garbage collector is off while timing, as in `timeit`: a full collection over the traced
+    graphs takes about half a second, which would land in one variant's repeat.
+    """
+    for variant in variants:
+        started = time.perf_counter()
+        variant.run_fn()
+        logging.info("warm-up of %s: %.1f s", variant.name, time.perf_counter() - started)
+    gc.collect()
+    gc.disable()
+    try:
+        for repeat in range(repeats):
+            for variant in variants:
+                started = time.perf_counter()
+                variant.run_fn()
+                variant.seconds.append(time.perf_counter() - started)
+            logging.info("repeat %d of %d done", repeat + 1, repeats)
+    finally:
+        gc.enable()
+
+
+def pairwise_ratio(numerator: Variant, denominator: Variant) -> float:
+    """Median over repeats of numerator's examples/s over denominator's, both from the same repeat."""
+    return statistics.median(d / n for n, d in zip(numerator.seconds, denominator.seconds))
+
+
+def _find(variants: list[Variant], **wanted: Any) -> Variant:
+    """The mixloop variant whose fields equal `wanted`."""
+    return next(v for v in variants if v.name.startswith("mixloop")
+                and all(getattr(v, key) == value for key, value in wanted.items()))
+
+
+def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) -> dict[str, float]:
+    """The ratios of RATIOS, keyed by name."""
+    by_name = {v.name: v for v in variants}
+    policy, k, scale, xla = _settings(config)
+    float16 = _float16_policy(config)
+    pairs = {
+        "mixloop/keras-fit": (by_name["mixloop"], by_name["keras-fit"]),
+        "mixloop/keras-fit-tuned": (by_name["mixloop"], by_name["keras-fit-tuned"]),
+        "mixloop/bare": (by_name["mixloop"], by_name["bare"]),
+        "dynamic/none": (
+            _find(variants, policy=float16, accumulation_steps=k, loss_scale="dynamic", xla=xla),
+            _find(variants, policy=float16, accumulation_steps=k, loss_scale="none", xla=xla)),
+        "k8/k1": (_find(variants, policy=policy, accumulation_steps=8, loss_scale=scale, xla=xla),
+                  _find(variants, policy=policy, accumulation_steps=1, loss_scale=scale, xla=xla)),
+    }
+    return {name: pairwise_ratio(*pairs[name]) for name in RATIOS}
+
+
+# ----- Results: JSON and the table. -----
+
+
+def results(variants: list[Variant], config: ml_collections.ConfigDict, *, repeats: int,
+            quick: bool) -> dict[str, Any]:
+    """Everything the table shows, as a JSON-ready dict."""
+    batch_size, steps_per_loop = config.train.batch_size, config.train.steps_per_loop
+    by_name = {v.name: v for v in variants}
+    rows = []
+    for v in variants:
+        speeds = [steps_per_loop * batch_size / seconds for seconds in v.seconds]
+        rows.append(dict(
+            name=v.name, policy=v.policy, accumulation_steps=v.accumulation_steps,
+            loss_scale=v.loss_scale, xla=v.xla, seconds=[round(s, 4) for s in v.seconds],
+            examples_per_sec=dict(median=round(statistics.median(speeds), 1),
+                                  min=round(min(speeds), 1), max=round(max(speeds), 1)),
+            vs_keras_fit=round(pairwise_ratio(v, by_name["keras-fit"]), 3),
+            vs_bare=round(pairwise_ratio(v, by_name["bare"]), 3),
+        ))
+    return dict(
+        command=" ".join(["python -m mixloop.benchmark", *sys.argv[1:]]),
+        trainer=config.trainer,
+        machine=_machine(),
+        updates_per_repeat=steps_per_loop,
+        examples_per_repeat=steps_per_loop * batch_size,
+        batch_size=batch_size,
+        repeats=repeats,
+        quick=quick,
+        variants=rows,
+        ratios={name: round(value, 3) for name, value in headline_ratios(variants, config).items()},
+    )
+
+
+def _machine() -> dict[str, Any]:
+    """The CPU, core count, load and library versions: what the numbers depend on."""
+    processor = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            processor = next(line.split(":", 1)[1].strip() for line in cpuinfo
+                             if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return dict(processor=processor, cpu_count=os.cpu_count(),
+                gpus=len(tf.config.list_physical_devices("GPU")),
+                load_average=[round(x, 2) for x in os.getloadavg()], python=platform.python_version(),
+                tensorflow=tf.__version__, keras=keras.__version__)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The results as a Markdown table, with a line saying what was measured and the ratios."""
+    machine = report["machine"]
+    summary = (f"{report['trainer']}: {report['updates_per_repeat']} updates of {report['batch_size']} "
+               f"examples per repeat, {report['repeats']} repeats interleaved, medians; "
+               f"{machine['processor']}, {machine['cpu_count']} cores, TensorFlow "
+               f"{machine['tensorflow']}, Keras {machine['keras']}")
+    lines = [
+        summary,
+        "",
+        "| variant | policy | accumulation | loss scale | XLA | examples/s | min–max | × keras-fit "
+        "| × bare |",
+        "|---|---|--:|---|---|--:|--:|--:|--:|",
+    ]
+    for row in report["variants"]:
+        speed = row["examples_per_sec"]
+        xla = "yes" if row["xla"] else "no"
+        lines.append(f"| {row['name']} | {row['policy']} | {row['accumulation_steps']} | "
+                     f"{row['loss_scale']} | {xla} | {speed['median']:.0f} | "
+                     f"{speed['min']:.0f}–{speed['max']:.0f} | {row['vs_keras_fit']:.2f} | "
+                     f"{row['vs_bare']:.2f} |")
+    ratios = ", ".join(f"{name} {value:.2f}" for name, value in report["ratios"].items())
+    return "\n".join(lines + ["", f"Ratios (median over repeats of per-repeat ratios): {ratios}"])
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    """Writes `report` to `path` as JSON."""
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, allow_nan=False)
+        f.write("\n")
+
+
+# ----- The command. -----
+
+
+def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -> dict[str, Any]:
+    """Builds every variant of `config`'s experiment, times them and returns the results.
+
+    Raises:
+      UserError: for a bad config, or one that trains on more than one replica.
+    """
+    if quick:
+        config = config.copy_and_resolve_references()
+        config.train.steps_per_loop = min(config.train.steps_per_loop, QUICK_STEPS_PER_LOOP)
+    validate(config)
+    configs = mixloop_configs(config)  # Before anything is built: a variant may not fit.
+    with tempfile.TemporaryDirectory() as workdir:
+        trainer = cli.build_trainer(config, workdir)
+        if trainer.strategy.num_replicas_in_sync != 1:
+            raise UserError(f"the benchmark times one device, but config.distribution="
+                            f"{config.distribution!r} gives {trainer.strategy.num_replicas_in_sync} "
+                            "replicas; set --config.distribution=one_device")
+        variants = build_variants(trainer, configs, workdir)
+        time_interleaved(variants, repeats)
+    return results(variants, trainer.config, repeats=repeats, quick=quick)
+
+
+def define_flags() -> None:
+    """The command's flags beside cli's --config and --workdir. Defined only when the module runs as
+    a program (`python -m mixloop.benchmark`): the doctor has an --output flag too, and the tests
+    import both modules."""
+    flags.DEFINE_bool("quick", False, "A smoke run: 3 repeats of at most 5 updates each.")
+    flags.DEFINE_integer("repeats", None, "Timed repeats of every variant (default 5, or 3 with "
+                         "--quick).", lower_bound=1)
+    flags.DEFINE_string("output", None, "Also write the results as JSON to this file.")
+
+
+def main() -> None:
+    config, _ = cli.experiment_from_flags()
+    options = flags.FLAGS
+    # fit's `shuffle` defaults to True, which a tf.data.Dataset ignores, with a warning.
+    warnings.filterwarnings("ignore", message="`shuffle=True` was passed")
+    repeats = options.repeats or (QUICK_REPEATS if options.quick else REPEATS)
+    report = benchmark(config, repeats=repeats, quick=options.quick)
+    print(format_table(report))
+    if options.output:
+        write_json(report, options.output)
+        logging.info("Wrote %s", options.output)
+    # Python's last garbage collection, at exit, would spend longer deleting the traced functions
+    # than --quick spends timing them (20 s for charlm); the process is ending anyway.
+    gc.freeze()
+

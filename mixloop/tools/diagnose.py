@@ -1,0 +1,325 @@
+"""The precision doctor: `python -m mixloop.diagnose --config=PATH[:VARIANT] [--workdir=DIR] [--steps=N]
+[--output=DIR] [--loss_scale=X] [--objective=NAME] [--config.KEY=VALUE]`.
+
+Builds the experiment's Trainer as `mixloop.train` does, restores the workdir's latest checkpoint if
+there is one (and writes nothing there), diagnoses each of its objectives (or only --objective) on
+the same next N train batches with `mixloop.precision_report`, and prints one report per objective.
+With --output it also writes, into that directory (with several objectives, into its subdirectory
+named for the objective), `report.json`, TensorBoard histograms of the gradients' log2 magnitudes,
+and `gradient_histogram.png` (when matplotlib is installed: `pip install -e '.[plot]'`). Any problem
+with the input is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+import textwrap
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+from absl import flags, logging
+from tensorboard.plugins.histogram import metadata as histogram_metadata
+
+from mixloop import cli
+from mixloop.tools.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, NOISE_SCALE,
+                                            DtypeRange, PrecisionReport, diagnose_objectives)
+
+_STEPS = flags.DEFINE_integer("steps", 4, "Train batches to diagnose.", lower_bound=1)
+_OUTPUT = flags.DEFINE_string(
+    "output", None, "Directory for report.json, TensorBoard histograms and gradient_histogram.png."
+)
+_LOSS_SCALE = flags.DEFINE_float(
+    "loss_scale", None, "Loss scale to examine the gradients at; defaults to the run's current scale."
+)
+_OBJECTIVE = flags.DEFINE_string(
+    "objective", None, "The objective to diagnose; by default every objective, one report each."
+)
+flags.register_validator(
+    "loss_scale", lambda value: value is None or 0 < value < math.inf, "must be positive and finite"
+)
+
+
+def diagnose_experiment(config, workdir: str, num_batches: int, loss_scale: Optional[float] = None,
+                        objective: Optional[str] = None) -> list[PrecisionReport]:
+    """Validates `config`, builds its Trainer, restores `workdir`'s latest checkpoint if any, and
+    diagnoses `objective` (by default every objective, in turn) on the same `num_batches` train
+    batches; one report per objective. Writes nothing.
+
+    Raises:
+      UserError: for a bad config, a checkpoint that does not fit, an unknown objective, or what
+        `diagnose` refuses.
+    """
+    trainer = cli.build_trainer(config, workdir)
+    checkpoint = trainer.restore()
+    logging.info("Diagnosing %s", checkpoint or f"the initial weights (no checkpoint in {workdir})")
+    names = list(trainer.objectives) if objective is None else [objective]
+    return diagnose_objectives(trainer, names, num_batches, loss_scale)
+
+
+# ----- The console table. -----
+
+
+def format_report(report: PrecisionReport) -> str:
+    """The report as console text: a header, the layer and variable tables, problems and advice."""
+    scale, comparison = _scale_text(report.loss_scale), _scale_text(report.comparison_scale)
+    lines = [
+        f"Precision report: {report.trainer}{_objective_text(report)} at step {report.step}, "
+        f"policy {report.policy}",
+        f"{report.num_batches} batches ({report.num_micro_batches} micro-batches), loss scale {scale}, "
+        f"mixed pass at loss scale {comparison}",
+        "",
+        "Layers, in call order. max|x|, max|y|: largest input and output magnitudes in float32.",
+        "headroom: doublings left below the compute dtype's largest value. inf: outputs that were inf",
+        "or NaN in the mixed pass. max|dy|: largest output gradient (unscaled). dy zero: output",
+        f"gradients times {scale} that flush to zero in the compute dtype.",
+    ]
+    lines += _table(
+        ("layer", "dtype", "max|x|", "max|y|", "headroom", "inf", "max|dy|", "dy zero"),
+        [(l.path, l.compute_dtype, "-" if l.max_abs_input is None else _number(l.max_abs_input),
+          _number(l.max_abs_output), _bits(l.headroom_bits), str(l.non_finite_outputs),
+          _number(l.max_abs_output_grad), _percent(l.output_grad_zero_fraction)) for l in report.layers],
+    )
+    lines += [
+        "",
+        "Gradients, as fractions of each variable's nonzero float32 values. zero, subnormal, inf: the",
+        f"float32 gradient times {scale}, cast to the dtype it is computed in.",
+        *_comparison_legend(report),
+    ]
+    lines += _table(
+        ("variable", "dtype", "max|g|", "min|g|", "zero", "subnormal", "inf", "mixed zero", "abs.err",
+         "rel.err"),
+        [(v.path, v.dtype, _number(v.max_abs), _number(v.min_abs), _percent(v.zero_fraction),
+          _percent(v.subnormal_fraction), _percent(v.overflow_fraction), _percent(v.mixed_zero_fraction),
+          _number(v.absolute_error), "-" if v.relative_error is None else _number(v.relative_error))
+         for v in report.variables],
+    )
+    lines += [
+        "",
+        f"In 16 bits at loss scale {scale}: {_percent(report.gradient_zero_fraction)} of gradient "
+        f"values flush to zero, {_percent(report.gradient_subnormal_fraction)} are subnormal, "
+        f"{_percent(report.gradient_overflow_fraction)} overflow.",
+        "",
+        "Problems:",
+    ]
+    lines += [f"  - {problem}" for problem in report.advice.problems] or ["  none: every value fits."]
+    return "\n".join(lines + ["", "Advice:"] + _advice_lines(report))
+
+
+def _objective_text(report: PrecisionReport) -> str:
+    """", objective 'NAME'" when the trainer has several objectives, else nothing."""
+    return f", objective {report.objective!r}" if len(report.objectives) > 1 else ""
+
+
+def _comparison_legend(report: PrecisionReport) -> list[str]:
+    """What the mixed-pass columns compare, at which loss scale and why that one, wrapped."""
+    comparison, dtype = _scale_text(report.comparison_scale), report.compute_dtype
+    if report.comparison_scale < report.loss_scale:
+        why = (f"the largest power of two below {_scale_text(report.loss_scale)} at which {dtype} holds "
+               f"every 16-bit gradient with {COMPARISON_MARGIN_BITS} doubling to spare")
+    else:
+        why = "the loss scale examined"
+    eps = DtypeRange.of(dtype).eps
+    return textwrap.wrap(
+        f"mixed zero, abs.err, rel.err: the mixed pass at loss scale {comparison}, {why}. mixed zero: "
+        "zero in the mixed pass. abs.err: ||mixed gradient - float32 gradient||, over the variable's "
+        "values in every micro-batch; inf where the mixed gradient was inf or NaN. rel.err: abs.err / "
+        "||float32 gradient||, or - where the float32 gradient is zero or its own rounding noise: "
+        f"recomputed at loss scale {NOISE_SCALE:g} it moves by at least {dtype}'s eps, "
+        f"2^{math.log2(eps):.0f}, of its norm.", width=100)
+
+
+def _advice_lines(report: PrecisionReport) -> list[str]:
+    advice = report.advice
+    if advice.float32_layers:
+        keep = f"{', '.join(advice.float32_layers)} (added to precision.float32_layers)"
+    else:
+        keep = "nothing more"
+    if advice.initial_scale is None:
+        scale = f"not needed: {report.compute_dtype} has float32's exponent range"
+    else:
+        whose = f" of objective {report.objective!r}" if len(report.objectives) > 1 else ""
+        scale = (f"{_scale_text(advice.initial_scale)}: the largest gradient{whose} left in float16, "
+                 f"{_number(advice.largest_gradient)}, stays {MARGIN_BITS} doublings below "
+                 f"{DtypeRange.of('float16').max_finite:g}, and "
+                 f"{_percent(advice.initial_scale_zero_fraction)} of gradients flush to zero")
+    bfloat16 = (f"{'safe' if advice.bfloat16_safe else 'not safe'}: its largest 16-bit value keeps "
+                f"{_bits(advice.bfloat16_headroom_bits)} doublings of headroom and "
+                f"{_percent(advice.bfloat16_zero_fraction)} of gradients flush to zero without a loss "
+                "scale (but it keeps 8 significant bits to float16's 11)")
+    lines = [f"  keep in float32:  {keep}", f"  initial scale:    {scale}",
+             f"  mixed_bfloat16:   {bfloat16}"]
+    if advice.overrides:
+        lines.append("  to apply:         " + " ".join(
+            shlex.quote(f"--config.{key}={value}") for key, value in advice.overrides.items()))
+    if advice.initial_scale is not None and len(report.objectives) > 1:
+        lines += _shared_scale_note(report)
+    return lines
+
+
+def _shared_scale_note(report: PrecisionReport) -> list[str]:
+    """Why the advised initial scale, one objective's, is not simply applied with several objectives:
+    config.precision starts every objective's loss scale; the note says how to give it its own."""
+    own = {key.partition(".")[2]: value for key, value in report.advice.overrides.items()
+           if key in ("precision.initial_scale", "precision.max_scale", "precision.min_scale")}
+    arguments = ", ".join(f"{key}={value!r}" for key, value in own.items())
+    return textwrap.wrap(
+        f"config.precision starts the loss scale of every objective ({', '.join(report.objectives)}) "
+        f"that build_objectives gives none of its own, so this scale, advised for {report.objective!r} "
+        "alone, would start the others too: apply the smallest the reports advise, or give "
+        f"{report.objective!r} a loss scale of its own, mixloop.Objective(..., "
+        f"loss_scale=mixloop.DynamicLossScale({arguments})).", width=100,
+        initial_indent="  shared scale:     ", subsequent_indent=" " * 20)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned first column, right-aligned others, two spaces apart."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row):
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:])]
+        return "  ".join(cells).rstrip()
+
+    return [line(header)] + [line(row) for row in rows]
+
+
+def _number(value: float) -> str:
+    return "0" if value == 0 else f"{value:.2e}"
+
+
+def _bits(value: float) -> str:
+    return f"{value:.1f}"
+
+
+def _percent(fraction: float) -> str:
+    if 0 < fraction < 0.001:
+        return "<0.1%"
+    return f"{fraction:.1%}"
+
+
+def _scale_text(scale: float) -> str:
+    exponent = math.log2(scale)
+    return f"2^{exponent:.0f} = {scale:g}" if exponent.is_integer() else f"{scale:g}"
+
+
+# ----- Files: JSON, TensorBoard, PNG. -----
+
+
+def write_outputs(report: PrecisionReport, directory: str) -> list[str]:
+    """Writes report.json, TensorBoard histograms and (with matplotlib) gradient_histogram.png into
+    `directory`; returns the paths written."""
+    os.makedirs(directory, exist_ok=True)
+    paths = [write_json(report, os.path.join(directory, "report.json")),
+             write_tensorboard(report, directory)]
+    png = os.path.join(directory, "gradient_histogram.png")
+    if write_histogram_png(report, png):
+        paths.append(png)
+    return paths
+
+
+def write_json(report: PrecisionReport, path: str) -> str:
+    """The report as strict JSON; non-finite numbers become the strings "inf", "-inf" and "nan"."""
+    with open(path, "w") as f:
+        json.dump(_strict_json(report.as_dict()), f, indent=2, allow_nan=False)
+        f.write("\n")
+    return path
+
+
+def _strict_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(key): _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_strict_json(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def write_tensorboard(report: PrecisionReport, directory: str) -> str:
+    """Histograms at the report's step: `log2_gradient/<variable>` for each variable, and the 16-bit
+    variables together before and after loss scaling (`log2_gradient_16bit/unscaled`, `.../scaled`)."""
+    writer = tf.summary.create_file_writer(directory)
+    with writer.as_default():
+        for variable in report.variables:
+            _write_log2_histogram(f"log2_gradient/{variable.path}", variable.histogram, report.step)
+        histogram = report.gradient_histogram()
+        _write_log2_histogram("log2_gradient_16bit/unscaled", histogram, report.step)
+        _write_log2_histogram("log2_gradient_16bit/scaled", histogram, report.step,
+                              shift=math.log2(report.loss_scale))
+    writer.close()
+    return directory
+
+
+def _write_log2_histogram(tag: str, histogram: dict[int, int], step: int, shift: float = 0.0) -> None:
+    """A TensorBoard histogram whose buckets are exactly the log2 bins [k, k + 1), moved by `shift`.
+
+    Written as the histogram plugin's (left edge, right edge, count) rows: `tf.summary.histogram`
+    spreads a bucket count evenly over the data's range, so its edges would miss the powers of two.
+    """
+    if not histogram:
+        return
+    rows = [[k + shift, k + 1 + shift, histogram.get(k, 0)]
+            for k in range(min(histogram), max(histogram) + 1)]
+    tf.summary.write(tag, tf.constant(rows, tf.float64), step=step,
+                     metadata=histogram_metadata.create_summary_metadata(tag, "log2 |gradient| bins"))
+
+
+def write_histogram_png(report: PrecisionReport, path: str) -> bool:
+    """Plots the 16-bit gradients' log2 histogram before and after loss scaling, with float16's and
+    bfloat16's subnormal and normal ranges. Without matplotlib: a one-line warning, and False."""
+    try:
+        from matplotlib.figure import Figure  # The object API needs no GUI backend.
+    except ImportError:
+        print("warning: matplotlib is not installed, so no gradient_histogram.png "
+              "(pip install -e '.[plot]')", file=sys.stderr)
+        return False
+    histogram = report.gradient_histogram()
+    exponents, counts = np.array(list(histogram), float), list(histogram.values())
+    figure = Figure(figsize=(10, 6), layout="constrained")
+    axes = figure.subplots(2, 1, sharex=True)
+    panels = ((0.0, "before loss scaling"),
+              (math.log2(report.loss_scale), f"after loss scaling by {_scale_text(report.loss_scale)}"))
+    float16, bfloat16 = DtypeRange.of("float16"), DtypeRange.of("bfloat16")
+    for ax, (shift, title) in zip(axes, panels):
+        ax.axvspan(math.log2(float16.min_subnormal), math.log2(float16.min_normal), color="tab:orange",
+                   alpha=0.12, label="float16 subnormal [2^-24, 2^-14)")
+        ax.axvspan(math.log2(float16.min_normal), math.log2(float16.max_finite), color="tab:orange",
+                   alpha=0.3, label="float16 normal [2^-14, 65504]")
+        ax.axvline(math.log2(bfloat16.min_subnormal), color="tab:blue", linestyle=":",
+                   label="bfloat16 smallest subnormal 2^-133")
+        ax.axvline(math.log2(bfloat16.min_normal), color="tab:blue", linestyle="--",
+                   label="bfloat16 normal [2^-126, 3.39e38]")
+        ax.axvline(math.log2(bfloat16.max_finite), color="tab:blue", linestyle="--")
+        ax.bar(exponents + shift, counts, width=1.0, align="edge", color="black",
+               label="gradient values")
+        ax.set(yscale="log", xlim=(-140, 132), ylabel="values per bin",
+               title=f"{report.trainer}{_objective_text(report)}, step {report.step}: 16-bit "
+                     f"gradients {title}")
+    axes[-1].set_xlabel("log2 |gradient|")
+    axes[0].legend(loc="upper left", fontsize="small")
+    figure.savefig(path, dpi=120)
+    return True
+
+
+# ----- The command. -----
+
+
+def output_directory(report: PrecisionReport, output: str) -> str:
+    """Where --output=`output` puts the report's files: `output`, or with several objectives its
+    subdirectory named for the report's objective."""
+    return output if len(report.objectives) == 1 else os.path.join(output, report.objective)
+
+
+def main() -> None:
+    config, workdir = cli.experiment_from_flags()
+    reports = diagnose_experiment(config, workdir, _STEPS.value, _LOSS_SCALE.value, _OBJECTIVE.value)
+    print("\n\n".join(format_report(report) for report in reports))
+    if _OUTPUT.value:
+        for report in reports:
+            written = write_outputs(report, output_directory(report, _OUTPUT.value))
+            logging.info("Wrote %s", ", ".join(written))
+
