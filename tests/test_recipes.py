@@ -1,0 +1,280 @@
+"""The README's research recipes, run as written: every snippet under "## Research recipes" is read
+from README.md, executed against a tiny model, and what the text under it promises is checked.
+
+A snippet is a fenced block preceded by `<!-- recipe: NAME -->`. A Python one runs in a namespace
+holding only `keras`, `tf`, `mixloop` and the names the README says it assumes (`MyTrainer`, or
+`trainer` and `inputs`), so a snippet that needs anything else fails here; tracebacks point at its
+lines in README.md.
+"""
+
+import logging
+import os
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import mixloop
+import tiny_experiment
+from test_research import events
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+SECTION = "## Research recipes"
+RECIPES = ("train-metric", "objectives", "ema", "ema-weights", "actions", "extra-state", "schedule",
+           "frozen")
+_RECIPE = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```(?P<language>\w+)\n(?P<code>.*?)^```",
+                     re.S | re.M)
+
+
+def recipes() -> dict[str, tuple[str, str, int]]:
+    """{name: (language, code, README line of its first code line)} of the section's recipes."""
+    with open(README, encoding="utf-8") as file:
+        text = file.read()
+    start = text.index(f"\n{SECTION}\n")
+    end = text.find("\n## ", start + 1)
+    return {match["name"]: (match["language"], match["code"],
+                            text.count("\n", 0, match.start("code")) + 1)
+            for match in _RECIPE.finditer(text, start, end if end >= 0 else len(text))}
+
+
+def run_recipe(name: str, **assumed) -> dict:
+    """Executes the Python recipe `name` beside `assumed` names; returns its namespace."""
+    language, code, line = recipes()[name]
+    assert language == "python", f"recipe {name} is {language}, not python"
+    namespace = {"keras": keras, "tf": tf, "mixloop": mixloop, **assumed}
+    exec(compile("\n" * (line - 1) + code, README, "exec"), namespace)
+    return namespace
+
+
+class MyTrainer(tiny_experiment.TinyTrainer):
+    """The recipes' `MyTrainer`: tiny_experiment's three-class data, an MLP with a layer named
+    `hidden`, a mean loss, and the default `eval_metrics`."""
+
+    eval_metrics = mixloop.Trainer.eval_metrics
+
+    def build_model(self):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(3, name="logits")(hidden))
+
+
+class TinyGAN(keras.Model):
+    """A generator (4 noise values -> 8 "pixels") and a discriminator (8 -> 1 logit)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8, activation="tanh")], name="generator")
+        self.discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)],
+                                              name="discriminator")
+
+    def call(self, inputs, training=False):
+        real, noise = inputs
+        fake = self.generator(noise, training=training)
+        return {"real_logits": self.discriminator(real, training=training),
+                "fake_logits": self.discriminator(fake, training=training)}
+
+
+class MyGANTrainer(MyTrainer):
+    """The objectives recipe's `MyTrainer`: a TinyGAN on (real, noise) batches, no eval set."""
+
+    def build_model(self):
+        model = TinyGAN(name="gan")
+        model((np.zeros((1, 8), np.float32), np.zeros((1, 4), np.float32)))
+        return model
+
+    def build_datasets(self):
+        rng = np.random.default_rng(0)
+        real = np.tanh(rng.normal(1.0, 0.5, size=(512, 8))).astype(np.float32)
+        noise = rng.normal(size=(512, 4)).astype(np.float32)
+        train = tf.data.Dataset.from_tensor_slices((real, noise)).batch(32, drop_remainder=True)
+        return train, None
+
+    def model_inputs(self, batch):
+        return batch
+
+
+def overflowing(trainer_class: type, objective: str = "", at_update: int = 3) -> type:
+    """`trainer_class` whose loss (or loss `objective` of a dict) is 1e9 times larger at update
+    `at_update` (1-based): finite in float32, an overflow in a float16 backward."""
+
+    class Overflowing(trainer_class):
+        def compute_loss(self, outputs, batch):
+            losses = super().compute_loss(outputs, batch)
+            boost = tf.where(tf.equal(self.global_step, at_update - 1), 1e9, 1.0)
+            return {**losses, objective: losses[objective] * boost} if objective else losses * boost
+
+    return Overflowing
+
+
+def make(trainer_class: type, workdir, **overrides) -> mixloop.Trainer:
+    """A `trainer_class` on tiny_experiment's config, float32, 10 updates, overridden by `overrides`
+    ({"section.field": value})."""
+    config = tiny_experiment.get_config()
+    config.precision.policy = "float32"
+    config.train.num_steps = 10
+    config.train.log_every_steps = 5
+    config.eval.every_steps = 10
+    config.checkpoint.every_steps = 10
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        config[section][field] = value
+    return trainer_class(config, str(workdir))
+
+
+def values(found: dict, tag: str) -> list:
+    return [value for _, value in found[tag]]
+
+
+def test_the_section_follows_your_own_model_and_holds_every_recipe():
+    with open(README, encoding="utf-8") as file:
+        headings = [line.strip() for line in file if line.startswith("## ")]
+    assert headings[headings.index("## Your own model") + 1] == SECTION
+    assert sorted(recipes()) == sorted(RECIPES)
+
+
+def test_train_metric_reaches_tensorboard_the_progress_line_and_eval(tmp_path, caplog):
+    trainer_class = run_recipe("train-metric", MyTrainer=MyTrainer)["AccuracyTrainer"]
+    trainer = make(trainer_class, tmp_path, **{"train.num_steps": 20, "train.log_every_steps": 10})
+    caplog.set_level(logging.INFO)
+    trainer.train()
+    train, evaluation = events(str(tmp_path / "train")), events(str(tmp_path / "eval"))
+    assert [step for step, _ in train["accuracy"]] == [10, 20]
+    assert all(0.0 <= value <= 1.0 for value in values(train, "accuracy"))
+    assert values(train, "accuracy")[-1] > 0.5  # Three classes: chance is about 1/3.
+    assert 0.5 < values(evaluation, "accuracy")[-1] <= 1.0
+    assert re.search(r"step 20/20 .*accuracy \d\.\d{4}", caplog.text)
+
+
+def test_objectives_train_apart_with_their_own_scales_skips_and_tags(tmp_path):
+    namespace = run_recipe("objectives", MyTrainer=MyGANTrainer)
+    trainer_class = overflowing(namespace["GANTrainer"], objective="discriminator")
+    trainer = make(trainer_class, tmp_path, **{"precision.policy": "mixed_float16"})
+    players = (trainer.model.generator, trainer.model.discriminator)
+    initial = [layer.get_weights() for layer in players]
+    trainer.train()
+    train = events(str(tmp_path / "train"))
+    assert {f"{tag}/{name}" for name in ("generator", "discriminator")
+            for tag in ("loss", "loss_scale", "skipped_steps", "skipped_total", "grad_norm",
+                        "learning_rate")} <= set(train)
+    assert values(train, "skipped_total/discriminator") == [1.0, 1.0]
+    assert values(train, "skipped_total/generator") == [0.0, 0.0]
+    assert values(train, "loss_scale/discriminator")[-1] == 2.0**14  # Backed off once.
+    assert values(train, "loss_scale/generator")[-1] == 2.0**15
+    assert int(trainer.objectives["discriminator"].optimizer.iterations.numpy()) == 9
+    assert int(trainer.objectives["generator"].optimizer.iterations.numpy()) == 10
+    for layer, before in zip(players, initial):
+        assert not np.array_equal(layer.get_weights()[0], before[0])
+
+
+def test_ema_is_evaluated_exported_checkpointed_and_swapped_in(tmp_path):
+    language, command, _ = recipes()["ema"]
+    assert language == "sh"
+    assert os.path.isfile(os.path.join(ROOT, re.search(r"--config=(\S+)", command)[1]))
+    flags = dict(re.findall(r"--config\.([\w.]+)=(\S+)", command))
+    assert list(flags) == ["train.ema_decay"]
+    decay = float(flags["train.ema_decay"])
+
+    class Recorded(MyTrainer):
+        def actions(self):
+            self.trained, self.seen_at_eval = [], []
+            return [mixloop.Action(lambda step: self.trained.append(self.model.get_weights()),
+                                   every_steps=1),
+                    mixloop.Action(lambda step: self.seen_at_eval.append(self.model.get_weights()),
+                                   at_eval=True)]
+
+    trainer = make(Recorded, tmp_path, **{"train.ema_decay": decay})
+    average = trainer.model.get_weights()
+    trainer.train()
+    for weights in trainer.trained:  # average <- decay * average + (1 - decay) * weight, in float32
+        average = [np.float32(decay) * a + np.float32(1.0 - decay) * w
+                   for a, w in zip(average, weights)]
+    trained = trainer.model.get_weights()
+    assert len(trainer.trained) == 10 and not np.allclose(average[0], trained[0])
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for ema, at_eval in zip(average, trainer.seen_at_eval[-1]):  # Eval-time actions see it.
+        close(ema, at_eval)
+    exported = keras.saving.load_model(str(tmp_path / "model.keras"))
+    for ema, weight in zip(average, exported.get_weights()):
+        close(ema, weight)
+
+    inputs = np.random.default_rng(1).normal(size=(4, 8)).astype(np.float32)
+    ema_logits = run_recipe("ema-weights", trainer=trainer, inputs=inputs)["ema_logits"]
+    np.testing.assert_allclose(ema_logits, exported(inputs), rtol=1e-5, atol=1e-6)
+    for now, before in zip(trainer.model.get_weights(), trained):  # The trained weights are back.
+        np.testing.assert_array_equal(now, before)
+
+    resumed = make(Recorded, tmp_path, **{"train.ema_decay": decay})
+    resumed.restore()
+    with resumed.ema_weights():
+        for ema, restored in zip(average, resumed.model.get_weights()):
+            close(ema, restored)
+
+
+def test_actions_write_text_at_eval_and_scalars_every_100_updates(tmp_path):
+    trainer_class = run_recipe("actions", MyTrainer=MyTrainer)["SampleTrainer"]
+    trainer = make(trainer_class, tmp_path, **{
+        "train.num_steps": 100, "train.steps_per_loop": 50, "train.log_every_steps": 50,
+        "eval.every_steps": 50, "checkpoint.every_steps": 100})
+    trainer.train()
+    predictions = events(str(tmp_path / "eval"))["predictions"]
+    assert [step for step, _ in predictions] == [50, 100]
+    assert all(re.fullmatch(r"\[[0-2 ]+\] for labels \[[0-2 ]+\]", text) for _, text in predictions)
+    norm = np.sqrt(sum(np.sum(np.square(w)) for w in trainer.model.get_weights()))
+    [(step, written)] = events(str(tmp_path / "train"))["weight_norm"]
+    assert step == 100
+    np.testing.assert_allclose(written, norm, rtol=1e-5)
+
+
+def test_extra_state_survives_a_stop_and_resume(tmp_path):
+    trainer_class = run_recipe("extra-state", MyTrainer=MyTrainer)["CurriculumTrainer"]
+    first = make(trainer_class, tmp_path, **{"train.num_steps": 10})
+    first.train()
+    assert int(first.curriculum.numpy()) == 2  # Steps 5 and 10.
+    resumed = make(trainer_class, tmp_path, **{"train.num_steps": 20})
+    assert int(resumed.curriculum.numpy()) == 0
+    resumed.train()
+    assert int(resumed.global_step.numpy()) == 20
+    assert int(resumed.curriculum.numpy()) == 4  # Restored to 2, then steps 15 and 20.
+    again = make(trainer_class, tmp_path, **{"train.num_steps": 20})
+    again.restore()
+    assert int(again.curriculum.numpy()) == 4
+
+
+def test_schedule_advances_once_per_applied_update(tmp_path):
+    namespace = run_recipe("schedule", MyTrainer=MyTrainer)
+    schedule = namespace["InverseSqrt"](1e-3, warmup_steps=100)
+    trainer = make(overflowing(namespace["ScheduledTrainer"]), tmp_path,
+                   **{"precision.policy": "mixed_float16"})
+    trainer.train()
+    [objective] = trainer.objectives.values()
+    assert int(objective.optimizer.iterations.numpy()) == 9  # Update 3 skipped.
+    train = events(str(tmp_path / "train"))
+    assert values(train, "skipped_total") == [1.0, 1.0]
+    # Updates 1, 2, 4, 5 applied by step 5; 9 by step 10.
+    assert values(train, "learning_rate") == [float(schedule(4)), float(schedule(9))]
+    assert float(objective.optimizer.learning_rate) == float(schedule(9))
+
+
+def test_frozen_layer_is_untouched_but_checkpointed_and_exported(tmp_path):
+    trainer_class = run_recipe("frozen", MyTrainer=MyTrainer)["FineTuneTrainer"]
+    trainer = make(trainer_class, tmp_path, **{"optimizer.weight_decay": 0.1})
+    hidden, logits = trainer.model.get_layer("hidden"), trainer.model.get_layer("logits")
+    initial = {"hidden": hidden.get_weights(), "logits": logits.get_weights()}
+    trainer.train()
+    for now, before in zip(hidden.get_weights(), initial["hidden"]):
+        np.testing.assert_array_equal(now, before)
+    assert not np.array_equal(logits.get_weights()[0], initial["logits"][0])
+    [objective] = trainer.objectives.values()
+    frozen_shapes = {tuple(w.shape) for w in initial["hidden"]}  # (8, 16) and (16,): only hidden's.
+    assert not frozen_shapes & {tuple(v.shape) for v in objective.optimizer.variables}  # No slots.
+    saved = tf.train.list_variables(trainer.checkpoints.latest_checkpoint)
+    model_entries = [name for name, _ in saved
+                     if name.startswith("model_variables/") and name.endswith("VARIABLE_VALUE")]
+    assert len(model_entries) == len(trainer.model.variables) == 4
+    exported = keras.saving.load_model(str(tmp_path / "model.keras"))
+    exported_hidden = exported.get_layer("hidden").get_weights()
+    np.testing.assert_array_equal(exported_hidden[0], initial["hidden"][0])
