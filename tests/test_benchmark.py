@@ -36,9 +36,9 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
                      "mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
                      "mixloop accumulation_steps=8", "mixloop policy=float32",
                      "mixloop policy=mixed_bfloat16", "mixloop policy=mixed_float16 loss_scale=none",
-                     "mixloop jit_compile=False"]
+                     "mixloop jit_compile=False", "mixloop ema_decay=0.999", "mixloop +metric"]
     # XLA: fit leaves it off on a CPU, the tuned fit turns it on, bare follows the Trainer's default.
-    assert [row["xla"] for row in report["variants"]] == [False] + [True] * 9 + [False]
+    assert [row["xla"] for row in report["variants"]] == [False] + [True] * 9 + [False] + [True] * 2
     assert report["repeats"] == 3 and report["quick"] is True
     assert report["updates_per_repeat"] == 5 and report["examples_per_repeat"] == 5 * 32
     for row in report["variants"]:
@@ -142,3 +142,29 @@ def test_python_enters_the_inner_loop_once_per_loop_and_the_loop_holds_no_python
                  for node in function.node_def}
     assert not op_types & {"PyFunc", "PyFuncStateless", "EagerPyFunc"}
     assert "While" in op_types or "StatelessWhile" in op_types  # The steps loop inside the graph.
+
+
+def test_the_metric_variant_adds_one_train_metric_and_keeps_the_loss(tmp_path):
+    plain = make_trainer(tmp_path / "plain", **{"train.num_steps": 5})
+    metric_class = benchmark._with_extra_metric(tiny_experiment.TinyTrainer)
+    with_metric = metric_class(plain.config, str(tmp_path / "metric"))
+    assert with_metric.train_metric_names == {"model": [benchmark.EXTRA_METRIC]}
+    outputs, batch = tf.constant([[1.0, 2.0, 3.0]]), (tf.zeros([1, 8]), tf.constant([2]))
+    loss = with_metric.compute_loss(outputs, batch)
+    assert float(loss.value) == pytest.approx(float(plain.compute_loss(outputs, batch)))
+    assert float(loss.metrics[benchmark.EXTRA_METRIC]) == pytest.approx(2.0)
+
+
+def test_the_keras_fit_loss_gives_compute_loss_its_integer_labels_back(tmp_path):
+    """Keras casts a loss function's targets to the outputs' dtype; a compute_loss comparing them
+    with an integer argmax (charlm's accuracy) needs them back as integers."""
+
+    class AccuracyTrainer(tiny_experiment.TinyTrainer):
+        def compute_loss(self, outputs, batch):
+            correct = tf.equal(tf.argmax(outputs, -1, output_type=tf.int32), batch[1])
+            return super().compute_loss(outputs, batch) + 0.0 * tf.reduce_mean(
+                tf.cast(correct, tf.float32))
+
+    trainer = AccuracyTrainer(tiny_experiment.get_config(), str(tmp_path))
+    loss = benchmark._keras_loss(trainer, tf.int32)(tf.constant([2.0]), tf.constant([[0.0, 0.0, 9.0]]))
+    assert float(loss) == pytest.approx(math.log1p(2 * math.exp(-9.0)), rel=1e-3)  # float32 softmax

@@ -13,7 +13,6 @@ import re
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import mixloop

@@ -69,3 +69,20 @@ def test_add_update_sums_finite_losses_applied_norms_and_weighted_metrics():
 def test_metric_names_that_clash_with_built_in_tags_are_refused(name, objectives):
     with pytest.raises(UserError, match=f"a metric named '{name}', which the framework writes itself"):
         reporting.check_metric_names([name], objectives)
+
+
+def test_the_progress_line_shows_losses_metrics_skips_and_scales_per_objective(caplog):
+    caplog.set_level("INFO")
+    reporting.log_progress(200, 2000, {"loss": 2.31412, "accuracy": 0.45, "skipped_steps": 1.0,
+                                       "skipped_total": 3.0, "grad_norm": 0.5, "loss_scale": 32768.0,
+                                       "learning_rate": 1e-3, "steps_per_sec": 12.3,
+                                       "examples_per_sec": 787.2})
+    reporting.log_progress(10, 20, {"loss/g": 0.7, "skipped_steps/g": 0.0, "skipped_total/g": 0.0,
+                                    "loss/d": 1.4, "skipped_steps/d": 2.0, "skipped_total/d": 5.0,
+                                    "loss_scale/g": 1024.0, "loss_scale/d": 256.0,
+                                    "steps_per_sec": 1.0, "examples_per_sec": 8.0})
+    assert [record.getMessage() for record in caplog.records] == [
+        "step 200/2000  loss 2.3141  accuracy 0.4500  skipped 1 (total 3)  scale 32768  "
+        "12.30 steps/s  ETA 2m26s",
+        "step 10/20  loss/g 0.7000  skipped/g 0 (total 0)  loss/d 1.4000  skipped/d 2 (total 5)  "
+        "scale/g 1024  scale/d 256  1.00 steps/s  ETA 10s"]

@@ -11,6 +11,7 @@ import tensorflow as tf
 import tiny_experiment
 
 import mixloop
+from mixloop.runner import guard
 
 OVERFLOW_STEPS = (3, 4, 5)  # 1-based updates whose batches make objective `b` overflow float16.
 
@@ -18,6 +19,8 @@ OVERFLOW_STEPS = (3, 4, 5)  # 1-based updates whose batches make objective `b` o
 class TwoHeadTrainer(tiny_experiment.TinyTrainer):
     """TinyTrainer's data with two heads, two objectives (own Adam, own loss scale), an action every
     `model.action_every` updates that bumps a curriculum counter, and an eval-time text summary."""
+
+    overflow_steps = OVERFLOW_STEPS
 
     def build_model(self):
         inputs = keras.Input((8,))
@@ -29,7 +32,7 @@ class TwoHeadTrainer(tiny_experiment.TinyTrainer):
         train, evaluation = super().build_datasets()
         # A third element, the batch's boost of b's loss: huge (float16 overflow) at OVERFLOW_STEPS.
         boosts = tf.data.Dataset.from_tensor_slices(
-            [1e9 if step in OVERFLOW_STEPS else 1.0 for step in range(1, 1001)])
+            [1e9 if step in self.overflow_steps else 1.0 for step in range(1, 1001)])
         zip_boost = lambda batch, boost: (*batch, tf.fill([tf.shape(batch[0])[0]], boost))
         train = tf.data.Dataset.zip((train.repeat(), boosts)).map(zip_boost)
         evaluation = evaluation.map(lambda x, y: (x, y, tf.ones_like(y, tf.float32)))
@@ -109,6 +112,17 @@ def test_two_objectives_report_their_own_scales_and_skips(tmp_path, distribution
     assert trainer.objectives["a"].optimizer.iterations.numpy() == 20
 
 
+def test_the_guard_names_the_objective_that_diverges(tmp_path):
+    class AlwaysOverflowing(TwoHeadTrainer):
+        overflow_steps = range(3, 1001)
+
+    trainer = make(tmp_path, AlwaysOverflowing, **{"train.max_consecutive_skips": 4})
+    with pytest.raises(guard.TrainingDiverged, match=r"training diverged at step 6 in objective 'b': "
+                                                     r"4 updates in a row were skipped .* b/kernel"):
+        trainer.train()
+    assert trainer.state.skipped_totals() == {"a": 0, "b": 4}
+
+
 def test_actions_run_at_their_cadence_and_write_into_tensorboard(tmp_path):
     trainer = make(tmp_path, **{"train.num_steps": 20, "eval.every_steps": 10})
     trainer.train()
@@ -117,11 +131,12 @@ def test_actions_run_at_their_cadence_and_write_into_tensorboard(tmp_path):
     assert samples == [(10, "curriculum 1"), (20, "curriculum 2")]
 
 
-def test_extra_state_and_both_objectives_survive_a_stop_and_resume(tmp_path):
-    straight = make(tmp_path / "straight", **{"train.num_steps": 30})
+@pytest.mark.parametrize("distribution", ["auto", "mirrored"])
+def test_extra_state_and_both_objectives_survive_a_stop_and_resume(tmp_path, distribution):
+    straight = make(tmp_path / "straight", distribution=distribution, **{"train.num_steps": 30})
     straight.train()
-    make(tmp_path / "resumed", **{"train.num_steps": 15}).train()
-    resumed = make(tmp_path / "resumed", **{"train.num_steps": 30})
+    make(tmp_path / "resumed", distribution=distribution, **{"train.num_steps": 15}).train()
+    resumed = make(tmp_path / "resumed", distribution=distribution, **{"train.num_steps": 30})
     resumed.train()
     assert int(resumed.curriculum.numpy()) == int(straight.curriculum.numpy()) == 4  # 7, 14, 21, 28
     assert resumed.action_steps["every"] == [21, 28]
@@ -152,3 +167,24 @@ def test_ema_weights_are_evaluated_exported_and_resumed(tmp_path):
     again = make(tmp_path / "ema", tiny_experiment.TinyTrainer, **overrides)
     again.restore()
     np.testing.assert_array_equal(again.train_step.ema["model"].averages[0].numpy(), averages[0].numpy())
+
+
+class WeightedLossTrainer(tiny_experiment.TinyTrainer):
+    """Reads its research state in compute_loss: a loss weight a curriculum could change."""
+
+    def extra_state(self):
+        self.loss_weight = tf.Variable(1.0, trainable=False, name="loss_weight")
+        return {"loss_weight": self.loss_weight}
+
+    def compute_loss(self, outputs, batch):
+        return super().compute_loss(outputs, batch) * self.loss_weight
+
+
+def test_compute_loss_may_read_extra_state(tmp_path):
+    trainer = make(tmp_path, WeightedLossTrainer, **{"train.num_steps": 10,
+                                                     "precision.policy": "float32"})
+    trainer.loss_weight.assign(0.0)  # Zero gradients: Adam without weight decay stands still.
+    initial = trainer.model.get_weights()
+    trainer.train()
+    for before, after in zip(initial, trainer.model.get_weights()):
+        np.testing.assert_array_equal(before, after)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import TYPE_CHECKING
+import contextlib
+from typing import Any, Optional, Protocol
 
 import keras
+import ml_collections
 import tensorflow as tf
 from absl import logging
 
@@ -20,8 +22,55 @@ from mixloop.runner import guard, reporting, workdir
 
 EMPTY_EVAL_DATA = "the eval dataset is empty: build_datasets() returned one with no batches"
 
-if TYPE_CHECKING:
-    from mixloop.runner.trainer import Trainer
+
+
+class Runnable(Protocol):
+    """What the controller reads and calls on the Trainer: nothing else, and nothing private.
+
+    The Trainer owns the model, the compiled inner loop and the checkpointed state; the controller
+    owns cadence, reporting, the workdir and faults.
+    """
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    is_chief: bool  # Whether this process writes summaries, config history and the export.
+    checkpoints: tf.train.CheckpointManager
+    global_step: tf.Variable  # Updates made, skipped ones included.
+    state: Any  # state.RunState: per-objective skip counters.
+    objectives: dict  # Name -> engine.objective.Objective (loss scale, optimizer).
+    eval_data: Optional[tf.data.Dataset]
+    jit_compile: bool
+
+    def train_loop(self, num_steps: int) -> dict[str, Any]:
+        """Up to `num_steps` updates in one compiled call; per-objective totals as NumPy."""
+
+    def evaluate(self) -> dict[str, float]:
+        """The eval metrics (with the EMA weights when on)."""
+
+    def ema_weights(self) -> contextlib.AbstractContextManager:
+        """The weights eval uses, swapped in for a `with` block."""
+
+    def actions(self) -> list:
+        """The subclass's `Action`s."""
+
+    def export(self) -> str:
+        """Writes the float32 inference model; returns its path."""
+
+    def restore(self) -> Optional[str]:
+        """Restores the latest checkpoint of the workdir, if any."""
+
+    def restore_weights(self, path: str) -> None:
+        """Restores the state in `path` except the data position (recoveries)."""
+
+    def resume_directory(self) -> str:
+        """Where the checkpoints every process resumes from are."""
+
+    def num_train_batches(self) -> Optional[int]:
+        """Batches in one pass over the train data, or None when it repeats."""
+
+    def nonfinite_variable_paths(self, objective: str) -> list[str]:
+        """The variables behind an objective's latest streak of skipped updates."""
+
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -48,7 +97,7 @@ class _StopRequest:
         self.signal_number = signal_number
 
 
-def _loop_length(trainer: "Trainer", actions: list, step: int, last_step: int) -> int:
+def _loop_length(trainer: Runnable, actions: list, step: int, last_step: int) -> int:
     """Steps to the next boundary: steps_per_loop, or sooner at a log, eval, checkpoint or action step."""
     c = trainer.config
     cadences = (c.train.steps_per_loop, c.train.log_every_steps, c.eval.every_steps,
@@ -56,16 +105,16 @@ def _loop_length(trainer: "Trainer", actions: list, step: int, last_step: int) -
     return min([every - step % every for every in cadences if every] + [last_step - step])
 
 
-def _is_due(trainer: "Trainer", step: int, every: int) -> bool:
+def _is_due(trainer: Runnable, step: int, every: int) -> bool:
     return step == trainer.config.train.num_steps or (every > 0 and step % every == 0)
 
 
-def _save(trainer: "Trainer", step: int) -> None:
+def _save(trainer: Runnable, step: int) -> None:
     if trainer.checkpoints.latest_checkpoint != f"{trainer.checkpoints.directory}/ckpt-{step}":
         trainer.checkpoints.save(checkpoint_number=step)
 
 
-def train(trainer: "Trainer") -> dict[str, float]:
+def train(trainer: Runnable) -> dict[str, float]:
     """Runs `trainer` to `config.train.num_steps`, resuming from its workdir; returns the last metrics."""
     # Checks before anything is written: a checkpoint that does not fit changes nothing.
     trainer.restore()
@@ -93,7 +142,7 @@ def train(trainer: "Trainer") -> dict[str, float]:
     return metrics
 
 
-def _run_loops(trainer: "Trainer", stop: _StopRequest) -> tuple[dict[str, float], int]:
+def _run_loops(trainer: Runnable, stop: _StopRequest) -> tuple[dict[str, float], int]:
     """Inner loops until num_steps, a stop request or the end of the data; returns the last metrics
     and why it ended (`guard.CONTINUE` or `guard.END_OF_DATA`).
 
@@ -172,7 +221,7 @@ def _op_error_summary(error: tf.errors.OpError) -> str:
     return summary
 
 
-def _divergence(trainer: "Trainer", totals: dict) -> str:
+def _divergence(trainer: Runnable, totals: dict) -> str:
     """The divergence message for the first objective whose guard stopped the loop, or ''."""
     for name, objective_totals in totals["objectives"].items():
         reason = int(objective_totals["stop_reason"])
@@ -182,7 +231,7 @@ def _divergence(trainer: "Trainer", totals: dict) -> str:
     return ""
 
 
-def _divergence_message(trainer: "Trainer", reason: int, objective: str, totals: dict,
+def _divergence_message(trainer: Runnable, reason: int, objective: str, totals: dict,
                         inputs_finite: bool) -> str:
     message = guard.describe(
         reason, step=int(trainer.global_step.numpy()),
@@ -198,7 +247,7 @@ def _divergence_message(trainer: "Trainer", reason: int, objective: str, totals:
     return f"{message}; last good checkpoint: {last_good or 'none yet'}"
 
 
-def _recover(trainer: "Trainer", message: str, recoveries: int) -> None:
+def _recover(trainer: Runnable, message: str, recoveries: int) -> None:
     """Restores the last good checkpoint (the data keeps moving forward) and goes on."""
     path = tf.train.latest_checkpoint(trainer.resume_directory())
     if path is None:
@@ -208,7 +257,7 @@ def _recover(trainer: "Trainer", message: str, recoveries: int) -> None:
     trainer.restore_weights(path)
 
 
-def _log_first_skip(trainer: "Trainer", interval: reporting.Interval) -> bool:
+def _log_first_skip(trainer: Runnable, interval: reporting.Interval) -> bool:
     """Names the variables behind the first non-finite update; returns whether there was one."""
     skipped = interval.skipped(trainer.state.skipped_totals())
     objective = next((name for name, count in skipped.items() if count), None)
@@ -221,7 +270,7 @@ def _log_first_skip(trainer: "Trainer", interval: reporting.Interval) -> bool:
     return True
 
 
-def _report_train(trainer: "Trainer", writer: reporting.MetricWriter, step: int,
+def _report_train(trainer: Runnable, writer: reporting.MetricWriter, step: int,
                   interval: reporting.Interval) -> dict:
     scalars = interval.summary(step, trainer.state.skipped_totals(), trainer.config.train.batch_size)
     for name, objective in trainer.objectives.items():
@@ -234,7 +283,7 @@ def _report_train(trainer: "Trainer", writer: reporting.MetricWriter, step: int,
     return scalars
 
 
-def _report_eval(trainer: "Trainer", writer: reporting.MetricWriter, step: int) -> dict:
+def _report_eval(trainer: Runnable, writer: reporting.MetricWriter, step: int) -> dict:
     metrics = trainer.evaluate()
     writer.write("eval", step, metrics)
     reporting.log_eval(step, metrics)

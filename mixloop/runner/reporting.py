@@ -110,19 +110,20 @@ def log_progress(step: int, num_steps: int, scalars: Mapping[str, float]) -> Non
     """One console line: step/total, the losses, train metrics, scales and skips, steps/s, time left."""
     steps_per_sec = scalars["steps_per_sec"]
     eta = (num_steps - step) / steps_per_sec if steps_per_sec > 0 else float("inf")
-    shown = [_progress_item(name, value) for name, value in scalars.items()
+    shown = [_progress_item(name, value, scalars) for name, value in scalars.items()
              if name.split("/")[0] not in ("skipped_total", "learning_rate", "grad_norm", *_SPEED_TAGS)]
     logging.info("step %d/%d  %s  %.2f steps/s  ETA %s", step, num_steps, "  ".join(shown),
                  steps_per_sec, format_duration(eta))
 
 
-def _progress_item(name: str, value: float) -> str:
+def _progress_item(name: str, value: float, scalars: Mapping[str, float]) -> str:
+    """'loss 2.3141', 'scale/generator 32768' or 'skipped 1 (total 3)' for the progress line."""
     base, _, objective = name.partition("/")
     suffix = f"/{objective}" if objective else ""
     if base == "loss_scale":
         return f"scale{suffix} {value:g}"
     if base == "skipped_steps":
-        return f"skipped{suffix} {int(value)}"
+        return f"skipped{suffix} {int(value)} (total {int(scalars['skipped_total' + suffix])})"
     return f"{name} {value:.4f}"
 
 

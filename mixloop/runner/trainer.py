@@ -67,6 +67,8 @@ class Trainer:
                 ema_decay=config.train.ema_decay,
             )
             self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
+            # Before the data and the first trace, so compute_loss and build_datasets may read it.
+            self.research_state = self.extra_state()
         self._train_data, self.eval_data = self.build_datasets()
         self.train_metric_names = self.train_step.metric_names(self._train_data.element_spec)
         reporting.check_metric_names(
@@ -86,7 +88,7 @@ class Trainer:
                         for name, objective in self.objectives.items()},
             state=self.state,
             ema=self.train_step.ema,
-            extra_state=self.extra_state(),
+            extra_state=self.research_state,
             **({"train_iterator": self._train_iterator} if self.iterator_in_checkpoint else {}),
         )
         self.checkpoints = checkpointing.make_manager(
@@ -141,7 +143,8 @@ class Trainer:
     def extra_state(self) -> dict[str, Any]:
         """Returns research state to checkpoint beside the model (none by default): trackables such
         as `tf.Variable`s, e.g. a curriculum counter, restored on resume. Called once, at
-        construction; keep the variables as attributes and update them in place."""
+        construction, after `build_objectives` and before `build_datasets` (so the datasets and
+        `compute_loss` may read it); keep the variables as attributes and update them in place."""
         return {}
 
     def model_inputs(self, batch: Batch) -> Any:

@@ -15,7 +15,9 @@ times, in one process, the same optimizer updates on the same batches done sever
     mixloop KEY=...  the same with one setting changed: accumulation_steps 1, 4 and 8 (same global
                      batch); policy float32, mixed_float16 and mixed_bfloat16; loss_scale dynamic and
                      none in float16 (the only dtype where a dynamic scale does anything); jit_compile
-                     the other way round
+                     the other way round; ema_decay on (0.999) or off, whichever it is not
+    mixloop +metric  the configured run with one more train metric (the mean of the model's first
+                     output: a reduction over the logits, weighted and summed like any metric)
 
 Every variant is built and warmed up first, which traces all it will run. Then the repeats run
 interleaved (A B C ... A B C ...), so a busy neighbour slows every variant alike. A repeat is
@@ -47,7 +49,7 @@ from absl import flags, logging
 from mixloop import cli
 from mixloop.config import validate
 from mixloop.engine import layer_precision
-from mixloop.engine.loss import as_loss
+from mixloop.engine.loss import Loss, as_loss, as_losses
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.engine.step import forward
 from mixloop.errors import UserError
@@ -59,7 +61,10 @@ QUICK_STEPS_PER_LOOP = 5  # --quick caps train.steps_per_loop (and so the update
 ACCUMULATION_STEPS = (1, 4, 8)
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 # The headline ratios, each a median over repeats of (numerator's examples/s / denominator's).
-RATIOS = ("mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare", "dynamic/none", "k8/k1")
+RATIOS = ("mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare", "dynamic/none", "k8/k1",
+          "ema/no-ema", "metric/no-metric")
+EMA_DECAY = 0.999  # The ema_decay of the EMA variant.
+EXTRA_METRIC = "benchmark_output_mean"  # The +metric variant's train metric.
 
 
 @dataclasses.dataclass
@@ -99,11 +104,15 @@ def _with_clipping(optimizer: keras.optimizers.Optimizer, clip_global_norm: floa
     return optimizer
 
 
-def _keras_loss(trainer) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
-    """The experiment's `compute_loss` as a Keras loss, for batches of `(inputs, targets)`."""
+def _keras_loss(trainer, target_dtype: tf.DType) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+    """The experiment's `compute_loss` as a Keras loss, for batches of `(inputs, targets)`.
+
+    Keras hands a loss function its targets cast to the outputs' dtype; they go back to the data's
+    dtype (integer labels) before `compute_loss` reads them."""
 
     def loss(targets, outputs):
-        loss = as_loss(trainer.compute_loss(tf.cast(outputs, tf.float32), (None, targets)))
+        batch = (None, tf.cast(targets, target_dtype))
+        loss = as_loss(trainer.compute_loss(tf.cast(outputs, tf.float32), batch))
         return loss.value / loss.weight
 
     return loss
@@ -127,7 +136,8 @@ def keras_fit_variant(trainer, data: tf.data.Dataset, *, tuned: bool) -> Variant
     if float16:
         optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
     tuning = dict(jit_compile=True, steps_per_execution=config.train.steps_per_loop) if tuned else {}
-    model.compile(optimizer=optimizer, loss=_keras_loss(trainer), **tuning)
+    model.compile(optimizer=optimizer, loss=_keras_loss(trainer, data.element_spec[1].dtype),
+                  **tuning)
     epoch = data.prefetch(tf.data.AUTOTUNE)
     return Variant("keras-fit-tuned" if tuned else "keras-fit", policy.keras_name, 1,
                    "dynamic" if float16 else "none", model.jit_compile,
@@ -218,10 +228,7 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
     configs, seen = {"mixloop": config}, [_settings(config)]
     for change in changes:
         name = "mixloop " + " ".join(f"{key.split('.')[-1]}={value}" for key, value in change.items())
-        changed = config.copy_and_resolve_references()
-        for key, value in change.items():
-            *section, field = key.split(".")
-            (changed[section[0]] if section else changed)[field] = value
+        changed = _changed(config, change)
         try:
             validate(changed)
         except UserError as error:
@@ -233,6 +240,15 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
     return configs
 
 
+def _changed(config: ml_collections.ConfigDict, change: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A copy of `config` with the "section.field" keys of `change` set."""
+    changed = config.copy_and_resolve_references()
+    for key, value in change.items():
+        *section, field = key.split(".")
+        (changed[section[0]] if section else changed)[field] = value
+    return changed
+
+
 def build_variants(trainer, mixloop_configs: dict[str, ml_collections.ConfigDict],
                    workdir: str) -> list[Variant]:
     """keras-fit, keras-fit-tuned, bare and the mixloop variants, all on the same fixed batches."""
@@ -241,7 +257,28 @@ def build_variants(trainer, mixloop_configs: dict[str, ml_collections.ConfigDict
                 keras_fit_variant(trainer, data, tuned=True), bare_variant(trainer, data)]
     for name, config in mixloop_configs.items():
         variants.append(mixloop_variant(name, config, type(trainer), data, workdir))
+    config = trainer.config
+    ema_decay = 0.0 if config.train.ema_decay else EMA_DECAY
+    variants.append(mixloop_variant(f"mixloop ema_decay={ema_decay:g}",
+                                    _changed(config, {"train.ema_decay": ema_decay}),
+                                    type(trainer), data, workdir))
+    variants.append(mixloop_variant("mixloop +metric", config, _with_extra_metric(type(trainer)),
+                                    data, workdir))
     return variants
+
+
+def _with_extra_metric(trainer_class: type) -> type:
+    """A subclass of `trainer_class` whose first objective reports one more train metric."""
+
+    def compute_loss(self, outputs, batch):
+        losses = as_losses(trainer_class.compute_loss(self, outputs, batch), self.objectives)
+        first = next(iter(losses))
+        extra = tf.reduce_mean(tf.cast(tf.nest.flatten(outputs)[0], tf.float32))
+        losses[first] = Loss(losses[first].value, losses[first].weight,
+                             {**losses[first].metrics, EXTRA_METRIC: extra})
+        return losses if len(losses) > 1 else losses[first]
+
+    return type(f"Metric{trainer_class.__name__}", (trainer_class,), {"compute_loss": compute_loss})
 
 
 # ----- Timing. -----
@@ -281,6 +318,15 @@ def _find(variants: list[Variant], **wanted: Any) -> Variant:
                 and all(getattr(v, key) == value for key, value in wanted.items()))
 
 
+def _starting(variants: list[Variant], prefix: str) -> Variant:
+    return next(v for v in variants if v.name.startswith(prefix))
+
+
+def _ordered(a: Variant, b: Variant, *, first_is_on: bool) -> tuple[Variant, Variant]:
+    """(the variant with the feature on, the one without it)."""
+    return (a, b) if first_is_on else (b, a)
+
+
 def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) -> dict[str, float]:
     """The ratios of RATIOS, keyed by name."""
     by_name = {v.name: v for v in variants}
@@ -295,6 +341,9 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
             _find(variants, policy=float16, accumulation_steps=k, loss_scale="none", xla=xla)),
         "k8/k1": (_find(variants, policy=policy, accumulation_steps=8, loss_scale=scale, xla=xla),
                   _find(variants, policy=policy, accumulation_steps=1, loss_scale=scale, xla=xla)),
+        "ema/no-ema": _ordered(by_name["mixloop"], _starting(variants, "mixloop ema_decay="),
+                               first_is_on=bool(config.train.ema_decay)),
+        "metric/no-metric": (by_name["mixloop +metric"], by_name["mixloop"]),
     }
     return {name: pairwise_ratio(*pairs[name]) for name in RATIOS}
 
