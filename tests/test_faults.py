@@ -82,6 +82,17 @@ def test_the_first_skip_is_logged_once_with_its_variables(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "First skipped update" in r.getMessage()]
     assert len(lines) == 1 and "hidden_0/kernel" in lines[0] and "by step 4" in lines[0]
     assert trainer.state.skipped_totals() == {"model": 2}
+    assert "bad data" not in lines[0]
+
+
+def test_a_first_skip_from_nan_inputs_says_the_data_is_bad(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    trainer = make_trainer(tmp_path, **{"data.nan_batches": [2]})
+    with pytest.raises(guard.TrainingDiverged, match="inputs contain inf or NaN"):
+        trainer.train()  # A NaN loss stops the run; the skip is named first.
+    lines = [r.getMessage() for r in caplog.records if "First skipped update" in r.getMessage()]
+    assert len(lines) == 1 and "by step 3" in lines[0]
+    assert lines[0].endswith("the batch's floating inputs held inf or NaN (bad data, not an overflow)")
 
 
 # ----- Bad data -----

@@ -189,3 +189,44 @@ def test_a_train_metric_named_like_a_built_in_tag_is_refused(tmp_path):
     with pytest.raises(UserError, match="compute_loss returns a metric named 'loss_scale', which the "
                                         "framework writes itself; rename it"):
         ClashingTrainer(tiny_experiment.get_config(), str(tmp_path))
+
+
+def test_a_learning_rate_changed_for_the_resumed_run_takes_effect(tmp_path, caplog):
+    caplog.set_level("INFO")
+    make_trainer(tmp_path, **{"train.num_steps": 20}).train()
+    resumed = make_trainer(tmp_path, **{"optimizer.learning_rate": 2e-2})
+    resumed.restore()
+    optimizer = resumed.objectives["model"].optimizer
+    assert float(optimizer.learning_rate) == pytest.approx(2e-2)
+    assert int(optimizer.iterations.numpy()) == 20  # The rest of the optimizer's state is restored.
+    assert "learning rate 0.02 from the config (the checkpoint had 0.01)" in caplog.text
+    resumed.train()
+    assert read_events(str(tmp_path / "train"))["learning_rate"][-1][1] == pytest.approx(2e-2)
+
+
+class UnevenEvalTrainer(tiny_experiment.TinyTrainer):
+    """Eval batches of 64 and then 1 example: 65 examples."""
+
+    def build_datasets(self):
+        train, _ = super().build_datasets()
+        features = np.arange(65 * 8, dtype="float32").reshape(65, 8) / 100.0
+        labels = np.zeros(65, "int32")
+        return train, tf.data.Dataset.from_tensor_slices((features, labels)).batch(64)
+
+    def eval_metrics(self, outputs, batch):
+        return {"first_feature": tf.reduce_mean(batch[0][:, 0])}
+
+
+def test_eval_weights_each_batch_by_its_examples(tmp_path):
+    trainer = UnevenEvalTrainer(tiny_experiment.get_config(), str(tmp_path))
+    expected = np.mean(np.arange(65 * 8, dtype="float32").reshape(65, 8)[:, 0] / 100.0)
+    assert trainer.evaluate()["first_feature"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_readme_snippet_reads_the_train_scalars(tmp_path):
+    make_trainer(tmp_path, **{"train.num_steps": 20}).train()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    snippet = readme.split("<!-- snippet: read-scalars -->\n```python\n")[1].split("```")[0]
+    namespace = {}
+    exec(snippet.replace('"runs/charlm/train"', repr(str(tmp_path / "train"))), namespace)
+    assert namespace["loss"] == read_events(str(tmp_path / "train"))["loss"]

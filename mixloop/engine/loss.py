@@ -43,12 +43,20 @@ def as_loss(output: LossOutput) -> Loss:
       LossContractError: for a value, weight or metric that is not a scalar (a per-example loss
         vector), naming which and the accepted forms.
     """
+    if isinstance(output, Mapping):
+        raise LossContractError(
+            f"compute_loss returned a dict (keys {sorted(output)}); a dict is for several objectives "
+            f"(Trainer.build_objectives). With one, return a scalar mean, (loss_sum, weight) or "
+            f"mixloop.Loss(value, metrics={{...}}) to report metrics beside the loss")
     if isinstance(output, Loss):
         loss = output
     elif isinstance(output, (tuple, list)) and len(output) == 2:
         loss = Loss(*output)
     else:
         loss = Loss(output)
+    if not isinstance(loss.metrics, Mapping):
+        raise LossContractError(f"mixloop.Loss metrics must be a dict of name -> scalar, got "
+                                f"{type(loss.metrics).__name__}")
     loss = Loss(_float32_scalar(loss.value, "the loss"), _float32_scalar(loss.weight, "its weight"),
                 {name: _float32_scalar(value, f"metric {name!r}")
                  for name, value in sorted(loss.metrics.items())})
@@ -80,7 +88,12 @@ def as_losses(output: Any, objective_names: Sequence[str]) -> dict[str, Loss]:
 
 
 def _float32_scalar(value: Any, what: str) -> tf.Tensor:
-    tensor = tf.cast(value, tf.float32)
+    try:
+        tensor = tf.cast(value, tf.float32)
+    except (TypeError, ValueError):
+        raise LossContractError(
+            f"compute_loss must return a scalar mean, (loss_sum, weight) or mixloop.Loss(value, "
+            f"weight, metrics) of scalars; {what} is a {type(value).__name__}") from None
     if tensor.shape.rank != 0:
         raise LossContractError(
             f"compute_loss must return a scalar mean, (loss_sum, weight) or mixloop.Loss(value, "

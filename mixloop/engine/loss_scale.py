@@ -41,7 +41,7 @@ def all_finite(grads: Any) -> tf.Tensor:
     return tf.equal(num_non_finite, 0.0)
 
 
-class _LossScale(tf.Module):
+class LossScale(tf.Module):
     """The shared interface; subclasses define how the scale reacts to `update`."""
 
     def __init__(self, initial_scale: float, name: str):
@@ -74,14 +74,14 @@ class _LossScale(tf.Module):
         del grads_finite
 
 
-class NoLossScale(_LossScale):
+class NoLossScale(LossScale):
     """A scale of exactly 1 that never changes: for float32 and bfloat16 runs."""
 
     def __init__(self, name: str = "no_loss_scale"):
         super().__init__(1.0, name=name)
 
 
-class StaticLossScale(_LossScale):
+class StaticLossScale(LossScale):
     """A fixed scale, for models whose gradient range is known in advance."""
 
     def __init__(self, value: float, name: str = "static_loss_scale"):
@@ -91,7 +91,7 @@ class StaticLossScale(_LossScale):
         super().__init__(value, name=name)
 
 
-class DynamicLossScale(_LossScale):
+class DynamicLossScale(LossScale):
     """A scale that grows while gradients stay finite and backs off when they overflow.
 
     Per optimizer update, with `good_steps` and `hysteresis_left` as state::

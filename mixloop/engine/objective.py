@@ -10,11 +10,13 @@ the discriminator's update.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+import re
+from typing import Callable, Mapping, Optional
 
 import keras
 
-from mixloop.engine.loss_scale import _LossScale
+from mixloop.engine.loss_scale import LossScale
+from mixloop.errors import UserError
 
 SINGLE = "model"  # The name of the one objective of a model with one loss.
 
@@ -33,7 +35,7 @@ class Objective:
 
     layer: keras.layers.Layer
     optimizer: keras.optimizers.Optimizer
-    loss_scale: Optional[_LossScale] = None
+    loss_scale: Optional[LossScale] = None
 
     @property
     def variables(self) -> list:
@@ -46,8 +48,31 @@ class Objective:
         return list(self.layer.non_trainable_variables)
 
 
+def check_objectives(objectives: Mapping[str, Objective]) -> None:
+    """Refuses what would fail later, deep in Keras or TensorFlow, in one line.
+
+    Raises:
+      UserError: for no objective, a name that is not an identifier (names become TensorBoard tags
+        and variable names), something that is not an `Objective`, or one optimizer in two.
+    """
+    if not objectives:
+        raise UserError("build_objectives() returned no objective; return at least one")
+    optimizers = {}
+    for name, objective in objectives.items():
+        if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z_]\w*", name)):
+            raise UserError(f"objective name {name!r} is not allowed: use letters, digits and '_' "
+                            f"(it becomes TensorBoard tags such as loss/{name})")
+        if not isinstance(objective, Objective):
+            raise UserError(f"objective {name!r} is a {type(objective).__name__}, not a "
+                            f"mixloop.Objective(layer, optimizer)")
+        shared = optimizers.setdefault(id(objective.optimizer), name)
+        if shared != name:
+            raise UserError(f"objectives {shared!r} and {name!r} share one optimizer instance; give "
+                            f"each its own (an optimizer keeps per-variable state)")
+
+
 def with_loss_scales(objectives: dict[str, Objective],
-                     make_loss_scale: Callable[[], _LossScale]) -> dict[str, Objective]:
+                     make_loss_scale: Callable[[], LossScale]) -> dict[str, Objective]:
     """The `objectives`, each with a loss scale: its own, or a fresh one from `make_loss_scale()`."""
     return {name: objective if objective.loss_scale is not None
             else dataclasses.replace(objective, loss_scale=make_loss_scale())

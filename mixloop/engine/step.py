@@ -1,17 +1,21 @@
-"""The train step: one optimizer update from `accumulation_steps` micro-batches in explicit mixed precision.
+"""The train step: one update per objective from `accumulation_steps` micro-batches in explicit mixed precision.
 
-The order of operations, once per call::
+The order of operations, once per call (a model with one loss has one objective)::
 
     split the batch into k micro-batches
     for each micro-batch:
-        cast floating inputs to the compute dtype; forward in the compute dtype
-        cast outputs to float32; loss in float32, as (loss_sum, weight) and metrics
-        scale the loss per weight; differentiate; unscale the gradients into float32 and weight them;
-        add them, the loss, the weight and the weighted metrics to the accumulators
-    average the accumulated gradients by the total weight (over micro-batches and replicas)
-    check finiteness once; take the global norm; clip the true (unscaled) gradient
-    apply the update to the float32 master weights, or skip it and roll back non-trainable state
-    adjust the loss scale; report float32/bool metrics
+        cast floating inputs to the compute dtype; forward in the compute dtype, once
+        cast outputs to float32; each objective's loss in float32, as (loss_sum, weight) and metrics
+        per objective: scale its loss per weight by its own scale; differentiate with respect to
+            its own variables; unscale the gradients into float32 and weight them
+        add them, the losses, the weights and the weighted metrics to the accumulators
+    sum everything over the replicas in one all-reduce
+    per objective:
+        average its gradients by its total weight; check finiteness once; take the global norm;
+            clip the true (unscaled) gradient
+        apply the update to its float32 master weights (and advance its EMA), or skip it and roll
+            back its layer's non-trainable state
+        adjust its loss scale; report float32/bool metrics
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import tensorflow as tf
 from mixloop.engine import keras_adapter
 from mixloop.engine.ema import ExponentialMovingAverage
 from mixloop.engine.loss import Loss, LossContractError, as_losses
-from mixloop.engine.loss_scale import NoLossScale, _LossScale, leaves_finite
-from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
+from mixloop.engine.loss_scale import NoLossScale, LossScale, leaves_finite
+from mixloop.engine.objective import SINGLE, Objective, check_objectives, with_loss_scales
 from mixloop.engine.policy import Policy
 
 Batch = Any
@@ -95,7 +99,7 @@ class TrainStep:
         loss_fn: Callable[[Any, Batch], Any],
         policy: Policy,
         optimizer: Optional[keras.optimizers.Optimizer] = None,
-        loss_scale: Optional[_LossScale] = None,
+        loss_scale: Optional[LossScale] = None,
         objectives: Optional[Mapping[str, Objective]] = None,
         accumulation_steps: int = 1,
         clip_global_norm: Optional[float] = None,
@@ -111,6 +115,7 @@ class TrainStep:
             raise ValueError("pass either optimizer (and loss_scale) or objectives, not both")
         if objectives is None:
             objectives = {SINGLE: Objective(model, optimizer, loss_scale)}
+        check_objectives(objectives)
         self.objectives = with_loss_scales(dict(objectives), NoLossScale)
         for name, objective in self.objectives.items():
             if not objective.variables:

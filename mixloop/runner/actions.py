@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from mixloop.errors import UserError
+
 
 @dataclasses.dataclass(frozen=True)
 class Action:
@@ -27,9 +29,12 @@ class Action:
     at_eval: bool = False
 
     def __post_init__(self):
-        if self.every_steps < 0 or not (self.every_steps or self.at_eval):
-            raise ValueError(f"an Action needs every_steps > 0 or at_eval=True; got every_steps="
-                             f"{self.every_steps!r}, at_eval={self.at_eval!r}")
+        every = self.every_steps
+        valid_every = isinstance(every, int) and not isinstance(every, bool) and every >= 0
+        if not callable(self.fn) or not valid_every or not (every or self.at_eval):
+            raise UserError(f"mixloop.Action needs a callable fn(step) and every_steps, an integer "
+                            f"> 0, or at_eval=True; got fn={self.fn!r}, every_steps={every!r}, "
+                            f"at_eval={self.at_eval!r}")
 
     def is_due(self, step: int) -> bool:
         """Whether it runs after update `step` (its every-N part)."""

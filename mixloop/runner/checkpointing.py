@@ -36,7 +36,8 @@ def restore_latest(manager: tf.train.CheckpointManager, directory: str) -> Optio
     except (AssertionError, ValueError, tf.errors.OpError) as error:
         detail = str(error).strip().splitlines()[0][:200]
         raise UserError(
-            f"the checkpoint {path} does not match this run's model, optimizer, loss scale or data "
+            f"the checkpoint {path} does not match this run's model, objectives (optimizers, loss "
+            f"scales), EMA (train.ema_decay on or off), extra_state() or data "
             f"pipeline ({detail}); use a new --workdir or the config that wrote it"
         ) from None
     logging.info("Restored %s", path)

@@ -7,9 +7,9 @@ SIGTERM into a checkpoint and a clean exit, and stops on divergence or at the en
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
-import contextlib
 from typing import Any, Optional, Protocol
 
 import keras
@@ -21,7 +21,6 @@ from mixloop.errors import UserError
 from mixloop.runner import guard, reporting, workdir
 
 EMPTY_EVAL_DATA = "the eval dataset is empty: build_datasets() returned one with no batches"
-
 
 
 class Runnable(Protocol):
@@ -120,11 +119,12 @@ def train(trainer: Runnable) -> dict[str, float]:
     trainer.restore()
     if trainer.eval_data is not None and next(iter(trainer.eval_data.take(1)), None) is None:
         raise UserError(EMPTY_EVAL_DATA)
+    actions = trainer.actions()  # Before the lock: a bad Action is refused with nothing written.
     lock_directory = trainer.workdir if trainer.is_chief else trainer.checkpoints.directory
     with workdir.WorkdirLock(lock_directory), _StopRequest() as stop:
         if trainer.is_chief:
             workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
-        metrics, reason = _run_loops(trainer, stop)
+        metrics, reason = _run_loops(trainer, actions, stop)
         step = int(trainer.global_step.numpy())
         _save(trainer, step)
         if stop.signal_number is not None and step < trainer.config.train.num_steps:
@@ -142,7 +142,7 @@ def train(trainer: Runnable) -> dict[str, float]:
     return metrics
 
 
-def _run_loops(trainer: Runnable, stop: _StopRequest) -> tuple[dict[str, float], int]:
+def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[dict[str, float], int]:
     """Inner loops until num_steps, a stop request or the end of the data; returns the last metrics
     and why it ended (`guard.CONTINUE` or `guard.END_OF_DATA`).
 
@@ -154,13 +154,12 @@ def _run_loops(trainer: Runnable, stop: _StopRequest) -> tuple[dict[str, float],
     num_batches = trainer.num_train_batches()
     last_step = num_steps if num_batches is None else min(num_steps, num_batches)
     writer = reporting.MetricWriter(trainer.workdir, enabled=trainer.is_chief)
-    actions = trainer.actions()
     step = int(trainer.global_step.numpy())
     if step >= num_steps:
         logging.info("Already trained to step %d of %d; nothing to do.", step, num_steps)
     metrics: dict[str, float] = {}
     interval = reporting.Interval(step, trainer.state.skipped_totals())
-    recoveries, logged_first_skip = 0, False
+    recoveries, logged_first_skips = 0, set()
     while stop.signal_number is None:
         if step >= last_step:
             return metrics, guard.END_OF_DATA if step < num_steps else guard.CONTINUE
@@ -174,7 +173,7 @@ def _run_loops(trainer: Runnable, stop: _StopRequest) -> tuple[dict[str, float],
             return metrics, guard.END_OF_DATA
         interval.add(totals, time.perf_counter() - started)
         step = int(trainer.global_step.numpy())
-        logged_first_skip = logged_first_skip or _log_first_skip(trainer, interval)
+        _log_first_skips(trainer, interval, logged_first_skips)
         diverged = _divergence(trainer, totals)
         if diverged:
             if recoveries >= config.train.max_recoveries:
@@ -193,8 +192,10 @@ def _run_loops(trainer: Runnable, stop: _StopRequest) -> tuple[dict[str, float],
         if _is_due(trainer, step, config.eval.every_steps):
             if trainer.eval_data is not None:
                 metrics.update(_report_eval(trainer, writer, step))
-            with trainer.ema_weights():  # Eval-time actions see the weights eval saw.
-                _run_actions(writer, "eval", step, [a for a in actions if a.at_eval])
+            at_eval = [action for action in actions if action.at_eval]
+            if at_eval:
+                with trainer.ema_weights():  # Eval-time actions see the weights eval saw.
+                    _run_actions(writer, "eval", step, at_eval)
         if _is_due(trainer, step, config.checkpoint.every_steps):
             _save(trainer, step)
     return metrics, guard.CONTINUE
@@ -257,17 +258,19 @@ def _recover(trainer: Runnable, message: str, recoveries: int) -> None:
     trainer.restore_weights(path)
 
 
-def _log_first_skip(trainer: Runnable, interval: reporting.Interval) -> bool:
-    """Names the variables behind the first non-finite update; returns whether there was one."""
-    skipped = interval.skipped(trainer.state.skipped_totals())
-    objective = next((name for name, count in skipped.items() if count), None)
-    if objective is None:
-        return False
-    where = f" of objective {objective!r}" if len(skipped) > 1 else ""
-    logging.info("First skipped update%s (non-finite gradients) by step %d: non-finite in %s",
-                 where, int(trainer.global_step.numpy()),
-                 guard.describe_variables(trainer.nonfinite_variable_paths(objective)))
-    return True
+def _log_first_skips(trainer: Runnable, interval: reporting.Interval, logged: set) -> None:
+    """Names, once per objective and run, the variables behind its first non-finite update."""
+    many = len(trainer.objectives) > 1
+    for objective, count in interval.skipped(trainer.state.skipped_totals()).items():
+        if not count or objective in logged:
+            continue
+        logged.add(objective)
+        skips = trainer.state.skips[objective]
+        bad_data = ("" if skips.first_inputs_finite.numpy()
+                    else "; the batch's floating inputs held inf or NaN (bad data, not an overflow)")
+        logging.info("First skipped update%s (non-finite gradients) by step %d: non-finite in %s%s",
+                     f" of objective {objective!r}" if many else "", int(trainer.global_step.numpy()),
+                     guard.describe_variables(trainer.nonfinite_variable_paths(objective)), bad_data)
 
 
 def _report_train(trainer: Runnable, writer: reporting.MetricWriter, step: int,

@@ -6,7 +6,7 @@ import ml_collections
 import tensorflow as tf
 
 from mixloop.config import ConfigError, parse_loss_scale
-from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, _LossScale
+from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, LossScale
 from mixloop.engine.policy import Policy
 
 
@@ -35,7 +35,7 @@ def make_policy(name: str) -> tuple[Policy, str]:
     return Policy.from_string(name), f"precision.policy={name}"
 
 
-def make_loss_scale(config: ml_collections.ConfigDict, policy: Policy) -> _LossScale:
+def make_loss_scale(config: ml_collections.ConfigDict, policy: Policy) -> LossScale:
     """The loss scale for `config.precision.loss_scale`.
 
     `dynamic` is a no-op scale for policies that do not compute in float16: float32 and bfloat16 share

@@ -17,14 +17,19 @@ class SkipCounters(tf.Module):
         super().__init__(name=name)
         self.skipped_total = _counter("skipped_total")
         self.consecutive_skips = _counter("consecutive_skips")
-        # Which gradients were non-finite in the first skipped update of the latest streak.
+        # Which gradients were non-finite in the first skipped update of the latest streak, and
+        # whether that update's batch had finite floating inputs.
         self.first_nonfinite = tf.Variable(tf.zeros([num_variables], tf.bool), trainable=False,
                                            name="first_nonfinite")
+        self.first_inputs_finite = tf.Variable(True, trainable=False, name="first_inputs_finite")
 
-    def record(self, applied: tf.Tensor, nonfinite_gradients: tf.Variable) -> None:
+    def record(self, applied: tf.Tensor, nonfinite_gradients: tf.Variable,
+               inputs_finite: tf.Tensor) -> None:
         """Counts one update of this objective, applied or skipped (graph-safe)."""
         starts_streak = tf.logical_and(tf.logical_not(applied), self.consecutive_skips == 0)
         self.first_nonfinite.assign(tf.where(starts_streak, nonfinite_gradients, self.first_nonfinite))
+        self.first_inputs_finite.assign(
+            tf.where(starts_streak, inputs_finite, self.first_inputs_finite))
         self.consecutive_skips.assign(
             tf.where(applied, tf.constant(0, tf.int64), self.consecutive_skips + 1))
         self.skipped_total.assign_add(1 - tf.cast(applied, tf.int64))

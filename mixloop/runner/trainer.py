@@ -1,7 +1,8 @@
 """The Trainer: the base class a research model subclasses, owning tracing, the loops and the workdir.
 
 A subclass writes plain methods (`build_model`, `build_datasets`, `compute_loss`, optionally
-`eval_metrics`, `build_optimizer`, `model_inputs`). The base class builds them under the precision
+`eval_metrics`, `build_optimizer`, `model_inputs`, and for research loops `build_objectives`,
+`actions` and `extra_state`). The base class builds them under the precision
 policy, compiles `steps_per_loop` train steps into one `tf.function` (the inner loop, here), and
 hands the outer loop between those calls (progress, evaluation, checkpoints, faults) to controller.py.
 """
@@ -66,9 +67,10 @@ class Trainer:
                 input_fn=self.model_inputs,
                 ema_decay=config.train.ema_decay,
             )
+            _check_objective_variables(self.objectives, self.model)
             self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
             # Before the data and the first trace, so compute_loss and build_datasets may read it.
-            self.research_state = self.extra_state()
+            self.research_state = _checked_extra_state(self.extra_state())
         self._train_data, self.eval_data = self.build_datasets()
         self.train_metric_names = self.train_step.metric_names(self._train_data.element_spec)
         reporting.check_metric_names(
@@ -183,7 +185,8 @@ class Trainer:
         objectives = {}
         for name, report in metrics["objectives"].items():
             skips = self.state.skips[name]
-            skips.record(report["applied"], self.train_step.nonfinite_gradients[name])
+            skips.record(report["applied"], self.train_step.nonfinite_gradients[name],
+                         metrics["inputs_finite"])
             objectives[name] = {**reporting.add_update(totals["objectives"][name], report),
                                 "stop_reason": guard.stop_reason(
                                     report, skips.consecutive_skips,
@@ -192,27 +195,35 @@ class Trainer:
         return {"objectives": objectives, "last_inputs_finite": metrics["inputs_finite"]}
 
     @tf.function
-    def _eval_step(self, batch: Batch) -> dict[str, tf.Tensor]:
+    def _eval_step(self, batch: Batch) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+        """One eval batch's metrics and its number of examples."""
         outputs = forward(self.model, self.policy, self.model_inputs(batch), training=False)
-        return {name: tf.cast(value, tf.float32) for name, value in self.eval_metrics(outputs, batch).items()}
+        metrics = {name: tf.cast(value, tf.float32)
+                   for name, value in self.eval_metrics(outputs, batch).items()}
+        return metrics, tf.shape(tf.nest.flatten(batch)[0])[0]
 
     def evaluate(self) -> dict[str, float]:
-        """Mean of `eval_metrics` over the eval set (or `config.eval.num_batches` of it), with the
-        EMA weights when `config.train.ema_decay` is set."""
+        """The mean of `eval_metrics` over the eval set's examples (or `config.eval.num_batches`
+        batches of it), with the EMA weights when `config.train.ema_decay` is set.
+
+        Each batch's metrics count by its number of examples, so a short last batch counts as
+        little as it holds.
+        """
         if self.eval_data is None:
             return {}
         data = self.eval_data
         if self.config.eval.num_batches:
             data = data.take(self.config.eval.num_batches)
-        sums, count = {}, 0
+        sums, num_examples = {}, 0
         with self.ema_weights():
             for batch in data:
-                for name, value in self._eval_step(batch).items():
-                    sums[name] = sums.get(name, 0.0) + float(value)
-                count += 1
-        if not count:
+                metrics, size = self._eval_step(batch)
+                for name, value in metrics.items():
+                    sums[name] = sums.get(name, 0.0) + float(value) * int(size)
+                num_examples += int(size)
+        if not num_examples:
             raise UserError(controller.EMPTY_EVAL_DATA)
-        return {name: total / count for name, total in sums.items()}
+        return {name: total / num_examples for name, total in sums.items()}
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:
@@ -223,8 +234,19 @@ class Trainer:
             yield
 
     def restore(self) -> Optional[str]:
-        """Restores the workdir's latest checkpoint; returns its path, or None for a fresh run."""
-        return checkpointing.restore_latest(self.checkpoints, self.resume_directory())
+        """Restores the workdir's latest checkpoint; returns its path, or None for a fresh run.
+
+        A constant learning rate lives in an optimizer variable, which the checkpoint holds; the
+        configured one is put back, so a learning rate changed for the resumed run takes effect.
+        """
+        configured = _learning_rate_variables(self.objectives)
+        path = checkpointing.restore_latest(self.checkpoints, self.resume_directory())
+        for name, (variable, value) in configured.items():
+            if float(variable.numpy()) != value:
+                logging.info("Objective %s: learning rate %g from the config (the checkpoint had %g)",
+                             name, value, float(variable.numpy()))
+                variable.assign(value)
+        return path
 
     def train(self) -> dict[str, float]:
         """Runs (or resumes) training to `config.train.num_steps` updates; returns the last metrics.
@@ -312,6 +334,57 @@ class Trainer:
     def resume_directory(self) -> str:
         """The checkpoints every process resumes from: the chief's."""
         return os.path.join(self.workdir, "checkpoints")
+
+
+def _check_objective_variables(objectives: dict[str, Objective], model: keras.Model) -> None:
+    """Every trained variable must be the model's (checkpointed, exported); a trainable model
+    variable no objective trains is named once.
+
+    Raises:
+      UserError: for an objective whose layer is not part of `build_model()`'s model.
+    """
+    model_variables = {id(v) for v in model.variables}
+    trained = set()
+    for name, objective in objectives.items():
+        outside = [v.path for v in objective.variables if id(v) not in model_variables]
+        if outside:
+            raise UserError(f"objective {name!r} trains variables that are not in build_model()'s "
+                            f"model ({', '.join(outside[:3])}), so no checkpoint or export would "
+                            f"hold them; make its layer part of the model")
+        trained.update(id(v) for v in objective.variables)
+    untrained = [v.path for v in model.trainable_variables if id(v) not in trained]
+    if untrained:
+        logging.warning("No objective trains %d trainable variable(s) of the model: %s",
+                        len(untrained), ", ".join(untrained[:6]))
+
+
+def _checked_extra_state(state: Any) -> dict[str, Any]:
+    """`extra_state()`'s dict, each value one a checkpoint can hold.
+
+    Raises:
+      UserError: naming a key whose value a checkpoint would silently drop (a plain number).
+    """
+    if not isinstance(state, dict):
+        raise UserError(f"extra_state() must return a dict of name -> tf.Variable, got "
+                        f"{type(state).__name__}")
+    for key, value in state.items():
+        try:
+            tf.train.Checkpoint(value=value)
+        except ValueError:
+            raise UserError(f"extra_state()[{key!r}] is a {type(value).__name__}, which a checkpoint "
+                            f"cannot hold; use a tf.Variable and assign to it") from None
+    return state
+
+
+def _learning_rate_variables(objectives: dict[str, Objective]) -> dict[str, tuple[Any, float]]:
+    """Per objective with a constant learning rate, its optimizer variable and current value
+    (a schedule has no such variable: it is rebuilt from the config and reads the iterations)."""
+    found = {}
+    for name, objective in objectives.items():
+        for variable in objective.optimizer.variables:
+            if variable.name == "learning_rate":
+                found[name] = (variable, float(variable.numpy()))
+    return found
 
 
 def _check_replica_batch(config: ml_collections.ConfigDict, num_replicas: int) -> None:
