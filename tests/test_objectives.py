@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import mixloop
 from mixloop.engine.loss import LossContractError
+from mixloop.errors import UserError
 from mixloop.runner import distribution
 
 OVERFLOW = 1e9  # Multiplies objective b's loss: finite in float32, its float16 backward overflows.
@@ -195,3 +196,31 @@ def test_the_ema_swaps_in_and_back_out():
             np.testing.assert_array_equal(variable.numpy(), average.numpy())
     for variable, value in zip(step.objectives["a"].variables, trained):
         np.testing.assert_array_equal(variable.numpy(), value)
+
+
+def one_line_error(objectives, loss_fn=two_losses):
+    policy = mixloop.Policy.from_string("float32")
+    model = mixloop.build_model(two_headed_model, policy)
+    layers = {name: model.get_layer(name) for name in ("a", "b")}
+    with pytest.raises(UserError) as raised:
+        mixloop.TrainStep(model=model, objectives=objectives(layers), loss_fn=loss_fn, policy=policy)
+    return str(raised.value)
+
+
+def test_objectives_that_would_fail_deep_in_keras_are_one_line():
+    sgd = keras.optimizers.SGD(0.1)
+    assert "objective name 'gen/1' is not allowed" in one_line_error(
+        lambda layers: {"gen/1": mixloop.Objective(layers["a"], sgd)})
+    assert "share one optimizer instance" in one_line_error(
+        lambda layers: {"a": mixloop.Objective(layers["a"], sgd), "b": mixloop.Objective(layers["b"], sgd)})
+    assert "returned no objective" in one_line_error(lambda layers: {})
+    assert "not a mixloop.Objective" in one_line_error(lambda layers: {"a": layers["a"]})
+
+
+def test_a_dict_from_a_single_objective_loss_is_one_line():
+    policy = mixloop.Policy.from_string("float32")
+    model = mixloop.build_model(two_headed_model, policy)
+    step = mixloop.TrainStep(model=model, optimizer=keras.optimizers.SGD(0.1), policy=policy,
+                             loss_fn=lambda outputs, batch: {"loss": two_losses(outputs, batch)["a"].value})
+    with pytest.raises(LossContractError, match="a dict is for several objectives"):
+        step(next(batches()))

@@ -148,8 +148,10 @@ def test_extra_state_and_both_objectives_survive_a_stop_and_resume(tmp_path, dis
         assert resumed.state.skipped_totals() == straight.state.skipped_totals() == {"a": 0, "b": 3}
 
 
-def test_ema_weights_are_evaluated_exported_and_resumed(tmp_path):
-    overrides = {"train.num_steps": 20, "train.ema_decay": 0.9, "precision.policy": "float32"}
+@pytest.mark.parametrize("distribution", ["auto", "mirrored"])
+def test_ema_weights_are_evaluated_exported_and_resumed(tmp_path, distribution):
+    overrides = {"train.num_steps": 20, "train.ema_decay": 0.9, "precision.policy": "float32",
+                 "distribution": distribution}
     trainer = make(tmp_path / "ema", tiny_experiment.TinyTrainer, **overrides)
     trainer.train()
     averages = trainer.train_step.ema["model"].averages
@@ -188,3 +190,33 @@ def test_compute_loss_may_read_extra_state(tmp_path):
     trainer.train()
     for before, after in zip(initial, trainer.model.get_weights()):
         np.testing.assert_array_equal(before, after)
+
+
+def test_research_hooks_that_would_fail_later_are_one_line_at_construction(tmp_path):
+    class PlainNumberState(tiny_experiment.TinyTrainer):
+        def extra_state(self):
+            return {"count": 3}
+
+    class OutsideObjective(tiny_experiment.TinyTrainer):
+        def build_objectives(self):  # A layer built on its own, not part of self.model.
+            stray = keras.layers.Dense(2)
+            stray.build((None, 8))
+            return {"model": mixloop.Objective(stray, keras.optimizers.SGD(0.1))}
+
+    with pytest.raises(mixloop.errors.UserError, match=r"extra_state\(\)\['count'\] is a int"):
+        make(tmp_path / "a", PlainNumberState)
+    with pytest.raises(mixloop.errors.UserError, match=r"not in build_model\(\)'s model"):
+        make(tmp_path / "b", OutsideObjective)
+
+
+@pytest.mark.parametrize("arguments", [dict(fn=None, every_steps=5), dict(fn=print, every_steps=2.5),
+                                       dict(fn=print, every_steps="5"), dict(fn=print)])
+def test_a_bad_action_is_one_line_before_anything_is_written(tmp_path, arguments):
+    class BadAction(tiny_experiment.TinyTrainer):
+        def actions(self):
+            return [mixloop.Action(**arguments)]
+
+    trainer = make(tmp_path, BadAction)
+    with pytest.raises(mixloop.errors.UserError, match="mixloop.Action needs a callable fn"):
+        trainer.train()
+    assert not (tmp_path / "config.json").exists()
