@@ -9,7 +9,7 @@ import sys
 from typing import Callable
 
 import ml_collections
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mixloop.config import validate
@@ -20,9 +20,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; defaults to runs
 
 
 def default_workdir(config_path: str) -> str:
-    """runs/<config file name without .py>."""
-    name = os.path.splitext(os.path.basename(config_path.split(":")[0]))[0]
-    return os.path.join("runs", name)
+    """runs/<config file name without .py>, and -<variant> for PATH:VARIANT (a quick variant must
+    not meet the full run's checkpoints)."""
+    path, _, variant = config_path.partition(":")
+    name = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join("runs", f"{name}-{variant}" if variant else name)
 
 
 def import_trainer(path: str) -> type:
@@ -44,7 +46,17 @@ def import_trainer(path: str) -> type:
 
 
 def build_trainer(config: ml_collections.ConfigDict, workdir: str):
-    """Validates `config` and builds the Trainer it names, working in `workdir`."""
+    """Validates `config` and builds the Trainer it names, working in `workdir`.
+
+    A run shortened from the command line below its warm-up gets a warm-up of a tenth of its
+    updates, with a notice, rather than an error.
+    """
+    optimizer, num_steps = config.optimizer, config.train.num_steps
+    if isinstance(num_steps, int) and isinstance(optimizer.warmup_steps, int) and \
+            0 < num_steps <= optimizer.warmup_steps:
+        logging.warning("optimizer.warmup_steps=%d does not fit train.num_steps=%d: warming up over "
+                        "%d updates instead", optimizer.warmup_steps, num_steps, num_steps // 10)
+        optimizer.warmup_steps = num_steps // 10
     validate(config)
     return import_trainer(config.trainer)(config, workdir)
 
