@@ -72,3 +72,15 @@ def test_bad_input_is_one_line_and_leaves_the_workdir(trained_workdir, args, mes
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr
     assert snapshot(trained_workdir) == before
+
+
+def test_deterministic_with_xla_on_a_max_pool_model_is_one_line_naming_jit_compile(tmp_path):
+    digits = os.path.join(TESTS_DIR, "..", "experiments", "digits.py")
+    result = run_cli(f"--config={digits}:quick", f"--workdir={tmp_path}", "--config.deterministic=True",
+                     cwd=os.path.join(TESTS_DIR, ".."))
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: the train step failed near step 1: GPU MaxPool gradient ops do not yet "
+                      "have a deterministic XLA implementation. (the step is compiled with XLA; "
+                      "--config.jit_compile=False runs it without)"]
+    assert "Traceback" not in result.stderr

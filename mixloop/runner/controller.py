@@ -166,9 +166,11 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[di
         started = time.perf_counter()
         try:
             totals = trainer.train_loop(_loop_length(trainer, actions, step, last_step))
-        except tf.errors.InvalidArgumentError as error:
-            raise UserError(f"the train step failed near step {step + 1}: {_op_error_summary(error)}"
-                            ) from None
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
+            hint = (" (the step is compiled with XLA; --config.jit_compile=False runs it without)"
+                    if trainer.jit_compile and isinstance(error, tf.errors.UnimplementedError) else "")
+            raise UserError(f"the train step failed near step {step + 1}: "
+                            f"{_op_error_summary(error)}{hint}") from None
         except tf.errors.OutOfRangeError:  # Only after a recovery, whose data moved on further.
             return metrics, guard.END_OF_DATA
         interval.add(totals, time.perf_counter() - started)
@@ -213,7 +215,8 @@ def _run_actions(writer: reporting.MetricWriter, split: str, step: int, due: lis
 
 def _op_error_summary(error: tf.errors.OpError) -> str:
     """The line of a TensorFlow op error that says what went wrong, without the trace around it."""
-    noise = ("Graph execution error", "Detected at node", 'File "', "[[", "Stack trace")
+    noise = ("Graph execution error", "Detected at node", 'File "', "[[", "Stack trace",
+             "tf2xla conversion failed")
     lines = [line.strip() for line in error.message.splitlines()]
     useful = [line for line in lines if line and not line.startswith(noise)]
     summary = (useful[-1] if useful else lines[0]).split("\t")[0].strip()
