@@ -80,15 +80,22 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except Exception as error:  # absl and config_flags raise many types; the user needs the text.
         cause = error.args[0] if error.args else error
         if isinstance(error, AttributeError) and isinstance(cause, KeyError):
-            # ConfigDict's way of saying an override names a key the config lacks.
-            key, _, suggestion = str(cause.args[0]).partition("\n")
-            error = f"unknown config key {key} in a --config override. {suggestion}"
+            # ConfigDict's way of saying an override names a key the config lacks: a field...
+            error = _unknown_key(str(cause.args[0]))
+        elif isinstance(error, KeyError) and isinstance(cause, str):  # ...or a whole section.
+            error = _unknown_key(cause)
         text = str(error)
         if "Traceback (most recent call last)" in text:  # An exception inside get_config().
             text = text.split("Traceback")[0] + text.strip().splitlines()[-1]
         message = " ".join(text.split())
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+def _unknown_key(detail: str) -> str:
+    """ConfigDict's "'key'\nDid you mean ..." as one sentence."""
+    key, _, suggestion = detail.partition("\n")
+    return f"unknown config key {key} in a --config override. {suggestion}".strip()
 
 
 def run(command: Callable[[], None]) -> None:

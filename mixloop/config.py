@@ -132,7 +132,7 @@ def parse_loss_scale(value: Any) -> Any:
         number = float(value)
     except (TypeError, ValueError):
         return None
-    return number if number > 0 else None
+    return number if 0 < number < float("inf") else None
 
 
 def _parses_as_policy(value: Any) -> bool:
@@ -162,7 +162,7 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
     _require(p.policy == "auto" or _parses_as_policy(p.policy), "precision.policy", p.policy,
              f"one of {', '.join(POLICIES)} or 'params=..,compute=..,output=..'")
     _require(parse_loss_scale(p.loss_scale) is not None, "precision.loss_scale", p.loss_scale,
-             "'dynamic', 'none' or a positive number")
+             "'dynamic', 'none' or a positive finite number")
     _require(_compiles(p.float32_layers), "precision.float32_layers", p.float32_layers,
              "a Python regular expression over layer paths")
     for key in ("num_steps", "batch_size", "accumulation_steps", "steps_per_loop", "log_every_steps"):
@@ -177,7 +177,14 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
              t.clip_global_norm, "a non-negative number (0 disables clipping)")
     _require(_is_number(t.ema_decay) and 0 <= t.ema_decay < 1, "train.ema_decay", t.ema_decay,
              "a number in [0, 1) (0 disables the EMA; e.g. 0.999)")
+    _require(_is_int(config.seed) and config.seed >= 0, "seed", config.seed,
+             "a non-negative integer")
     _require(o.name in OPTIMIZERS, "optimizer.name", o.name, f"one of {', '.join(OPTIMIZERS)}")
+    for key in ("beta_1", "beta_2", "momentum"):
+        _require(_is_number(o[key]) and 0 <= o[key] < 1, f"optimizer.{key}", o[key],
+                 "a number in [0, 1)")
+    _require(_is_number(o.epsilon) and o.epsilon > 0, "optimizer.epsilon", o.epsilon,
+             "a positive number")
     _require(o.schedule in SCHEDULES, "optimizer.schedule", o.schedule, f"one of {', '.join(SCHEDULES)}")
     _require(_is_number(o.learning_rate) and o.learning_rate > 0, "optimizer.learning_rate",
              o.learning_rate, "a positive number")

@@ -33,8 +33,8 @@ def test_unknown_key_is_named(section, key):
 
 @pytest.mark.parametrize("key, value, allowed", [
     ("precision.policy", "mixed_float17", "one of auto, float32"),
-    ("precision.loss_scale", "sometimes", "'dynamic', 'none' or a positive number"),
-    ("precision.loss_scale", "-4", "'dynamic', 'none' or a positive number"),
+    ("precision.loss_scale", "sometimes", "'dynamic', 'none' or a positive finite number"),
+    ("precision.loss_scale", "-4", "'dynamic', 'none' or a positive finite number"),
     ("train.num_steps", 0, "a positive integer"),
     ("train.batch_size", -8, "a positive integer"),
     ("train.accumulation_steps", 3, "a divisor of train.batch_size=32"),
@@ -46,6 +46,13 @@ def test_unknown_key_is_named(section, key):
     ("eval.every_steps", -1, "a non-negative integer"),
     ("checkpoint.max_to_keep", 0, "a positive integer"),
     ("precision.float32_layers", "(norm", "a Python regular expression over layer paths"),
+    ("precision.loss_scale", "inf", "'dynamic', 'none' or a positive finite number"),
+    ("precision.loss_scale", "1e400", "'dynamic', 'none' or a positive finite number"),
+    ("optimizer.beta_1", 2.0, "a number in [0, 1)"),
+    ("optimizer.beta_2", -0.1, "a number in [0, 1)"),
+    ("optimizer.momentum", 1.0, "a number in [0, 1)"),
+    ("optimizer.epsilon", 0.0, "a positive number"),
+    ("train.ema_decay", 1.0, "a number in [0, 1)"),
 ])
 def test_bad_value_names_key_value_and_what_is_allowed(key, value, allowed):
     config = valid_config()
@@ -85,4 +92,12 @@ def test_jit_compile_is_true_false_or_unset_for_auto():
     with config.ignore_type():
         config.jit_compile = "yes"
     with pytest.raises(ConfigError, match=r"config.jit_compile='yes' is not allowed: True, False, or None"):
+        validate(config)
+
+
+@pytest.mark.parametrize("seed", [-1, -100])
+def test_a_bad_seed_is_one_line(seed):
+    config = valid_config()
+    config.seed = seed
+    with pytest.raises(ConfigError, match=f"config.seed={seed!r} is not allowed: a non-negative integer"):
         validate(config)

@@ -48,6 +48,13 @@ def trained_workdir(tmp_path_factory):
 @pytest.mark.parametrize("args, message", [
     (["--config=does/not/exist.py"], "config file 'does/not/exist.py' does not exist"),
     ([f"--config={TINY_CONFIG}", "--config.train.num_stpes=3"], "num_stpes"),
+    ([f"--config={TINY_CONFIG}", "--config.trian.batch_size=8"],
+     "unknown config key 'trian' in a --config override. Did you mean \"train\" instead of \"trian\"?"),
+    ([f"--config={TINY_CONFIG}", "--config.optimizer.beta_1=2.0"],
+     "config.optimizer.beta_1=2.0 is not allowed: a number in [0, 1)"),
+    ([f"--config={TINY_CONFIG}", "--config.precision.loss_scale=inf"],
+     "config.precision.loss_scale='inf' is not allowed"),
+    ([f"--config={TINY_CONFIG}", "--config.seed=-1"], "config.seed=-1 is not allowed"),
     ([f"--config={TINY_CONFIG}", "--config.precision.policy=mixed_float17"],
      "config.precision.policy='mixed_float17' is not allowed"),
     ([f"--config={TINY_CONFIG}", "--config.train.accumulation_steps=5"],
