@@ -64,11 +64,10 @@ def test_add_update_sums_finite_losses_applied_norms_and_weighted_metrics():
     assert values["last_loss"] == 1.0 and values["last_scale"] == 8.0
 
 
-@pytest.mark.parametrize("name, objectives", [("loss_scale", ["model"]), ("skipped_total/g", ["g", "d"]),
-                                              ("loss", ["g", "d"])])
-def test_metric_names_that_clash_with_built_in_tags_are_refused(name, objectives):
+@pytest.mark.parametrize("name", ["loss_scale", "skipped_total/g", "loss"])
+def test_metric_names_that_clash_with_built_in_tags_are_refused(name):
     with pytest.raises(UserError, match=f"a metric named '{name}', which the framework writes itself"):
-        reporting.check_metric_names([name], objectives)
+        reporting.check_metric_names([name])
 
 
 def test_the_progress_line_shows_losses_metrics_skips_and_scales_per_objective(caplog):

@@ -74,7 +74,7 @@ class Trainer:
         self._train_data, self.eval_data = self.build_datasets()
         self.train_metric_names = self.train_step.metric_names(self._train_data.element_spec)
         reporting.check_metric_names(
-            [metric for names in self.train_metric_names.values() for metric in names], self.objectives)
+            [metric for names in self.train_metric_names.values() for metric in names])
         # The default strategy's plain tf.data iterator is checkpointed itself. TensorFlow cannot
         # checkpoint a distributed one, so other strategies make theirs on first use, fast-forwarded
         # by the restored step (`train_iterator`).
