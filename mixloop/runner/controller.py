@@ -18,7 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from mixloop.errors import UserError
-from mixloop.runner import guard, reporting, workdir
+from mixloop.runner import checkpointing, guard, reporting, workdir
 
 EMPTY_EVAL_DATA = "the eval dataset is empty: build_datasets() returned one with no batches"
 
@@ -109,8 +109,8 @@ def _is_due(trainer: Runnable, step: int, every: int) -> bool:
 
 
 def _save(trainer: Runnable, step: int) -> None:
-    if trainer.checkpoints.latest_checkpoint != f"{trainer.checkpoints.directory}/ckpt-{step}":
-        trainer.checkpoints.save(checkpoint_number=step)
+    """Checkpoints `step` unless already saved; a full disk is a one-line error (`UserError`)."""
+    checkpointing.save(trainer.checkpoints, step)
 
 
 def train(trainer: Runnable) -> dict[str, float]:

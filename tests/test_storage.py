@@ -1,0 +1,244 @@
+"""Storage faults in the checkpoint folder: a lost or garbled index, a damaged newest checkpoint, a
+full disk and leftovers of interrupted saves. Nothing resumed is ever wrong, nothing good is lost."""
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tiny_experiment
+
+from mixloop.errors import UserError
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
+DATA = ".data-00000-of-00001"
+
+
+def make_trainer(workdir, num_steps):
+    config = tiny_experiment.get_config()
+    config.train.num_steps = num_steps
+    config.deterministic = True
+    config.jit_compile = False  # Faster to start; storage does not depend on it.
+    return tiny_experiment.TinyTrainer(config, str(workdir))
+
+
+def saved_steps(workdir):
+    names = os.listdir(os.path.join(workdir, "checkpoints"))
+    return sorted(int(name[len("ckpt-"):-len(".index")]) for name in names if name.endswith(".index"))
+
+
+def tensors(prefix):
+    """Every model and optimizer tensor of the checkpoint `prefix`."""
+    reader = tf.train.load_checkpoint(str(prefix))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if name.startswith(("model_variables/", "objectives/"))}
+
+
+def restored_from(caplog):
+    return [r.getMessage().split()[-1] for r in caplog.records if r.getMessage().startswith("Restored ")]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A workdir trained to step 60, with checkpoints at 20, 40 and 60."""
+    workdir = tmp_path_factory.mktemp("trained")
+    make_trainer(workdir, 60).train()
+    assert saved_steps(workdir) == [20, 40, 60]
+    return workdir
+
+
+@pytest.fixture
+def workdir(trained, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+# ----- The index (`checkpoints/checkpoint`) -----
+
+@pytest.mark.parametrize("index", [None, "garbage {{{\n\x00\x01", ""], ids=["deleted", "garbled", "empty"])
+def test_a_lost_or_garbled_index_resumes_from_the_newest_checkpoint_on_disk(workdir, caplog, index):
+    checkpoints = workdir / "checkpoints"
+    os.remove(checkpoints / "checkpoint")
+    if index is not None:
+        (checkpoints / "checkpoint").write_text(index)
+    newest_written = os.stat(checkpoints / "ckpt-60.index").st_mtime_ns
+
+    trainer = make_trainer(workdir, 80)
+    trainer.train()
+
+    assert "The checkpoint index" in caplog.text and "rebuilt it from the checkpoints on disk" in caplog.text
+    assert restored_from(caplog) == [str(checkpoints / "ckpt-60")]
+    assert int(trainer.global_step.numpy()) == 80
+    assert os.stat(checkpoints / "ckpt-60.index").st_mtime_ns == newest_written  # Read, not rewritten.
+    # The rotation knew every checkpoint: the oldest went, as with the index intact.
+    assert saved_steps(workdir) == [40, 60, 80]
+    state = tf.train.get_checkpoint_state(str(checkpoints))
+    assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == [
+        "ckpt-40", "ckpt-60", "ckpt-80"]
+
+
+def test_an_index_naming_only_deleted_checkpoints_starts_afresh(workdir):
+    for name in os.listdir(workdir / "checkpoints"):
+        if name.startswith("ckpt-"):
+            os.remove(workdir / "checkpoints" / name)
+
+    trainer = make_trainer(workdir, 80)
+
+    assert trainer.restore() is None and int(trainer.global_step.numpy()) == 0
+    assert os.listdir(workdir / "checkpoints") == []
+
+
+# ----- A damaged newest checkpoint -----
+
+def truncate_data(prefix):
+    size = os.path.getsize(prefix + DATA)
+    os.truncate(prefix + DATA, size // 2)
+
+
+def flip_bytes(prefix):
+    with open(prefix + DATA, "r+b") as data:
+        data.seek(os.path.getsize(prefix + DATA) // 2)
+        middle = data.read(16)
+        data.seek(-len(middle), os.SEEK_CUR)
+        data.write(bytes(byte ^ 0xFF for byte in middle))
+
+
+def empty_index(prefix):
+    os.truncate(prefix + ".index", 0)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (truncate_data, "Read less bytes than requested"),
+    (flip_bytes, "does not match|Unable to parse"),  # A checksum, or the data position's header.
+    (empty_index, "too short"),
+])
+def test_a_damaged_newest_checkpoint_is_named_kept_and_the_previous_one_resumed(
+        trained, workdir, caplog, damage, problem):
+    newest = str(workdir / "checkpoints" / "ckpt-60")
+    damage(newest)
+    damaged_sizes = [os.path.getsize(newest + suffix) for suffix in (".index", DATA)]
+    leftover = workdir / "checkpoints" / "ckpt-60_temp"  # As a save killed mid-way leaves it.
+    leftover.mkdir()
+    (leftover / "part-00000-of-00001.data-00000-of-00001.tempstate1").write_bytes(b"\0" * 100)
+
+    trainer = make_trainer(workdir, 60)
+    # Kept on disk, and out of the index: the manager's rotation will not delete it.
+    assert [os.path.getsize(newest + suffix) for suffix in (".index", DATA)] == damaged_sizes
+    assert trainer.checkpoints.checkpoints == [str(workdir / "checkpoints" / f"ckpt-{step}")
+                                               for step in (20, 40)]
+    trainer.train()
+
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "absl"]
+    assert len(warnings) == 1 and re.search(problem, warnings[0]), warnings
+    assert warnings[0].startswith(f"Checkpoint {newest} is unreadable (")
+    assert f"resuming from {workdir}/checkpoints/ckpt-40 instead" in warnings[0]
+    assert restored_from(caplog) == [str(workdir / "checkpoints" / "ckpt-40")]
+    # The new save of step 60 replaced the damaged one with the same state as before the damage.
+    reference, resumed = tensors(trained / "checkpoints" / "ckpt-60"), tensors(newest)
+    assert resumed.keys() == reference.keys()
+    for name, value in reference.items():
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+    assert not leftover.exists()
+
+
+def test_no_readable_checkpoint_is_refused_in_one_line_touching_nothing(workdir):
+    for step in (20, 40, 60):
+        truncate_data(str(workdir / "checkpoints" / f"ckpt-{step}"))
+    before = sorted(os.listdir(workdir / "checkpoints"))
+
+    with pytest.raises(UserError) as raised:
+        make_trainer(workdir, 80)
+
+    assert str(raised.value).startswith(
+        f"no checkpoint in {workdir}/checkpoints is readable (the newest, "
+        f"{workdir}/checkpoints/ckpt-60: Read less bytes than requested); move them away")
+    assert sorted(os.listdir(workdir / "checkpoints")) == before
+
+
+# ----- A full disk -----
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_last_good_checkpoint_stays(
+        workdir, monkeypatch, caplog):
+    trainer = make_trainer(workdir, 80)
+    checkpoints = trainer.checkpoints.directory
+
+    def save_on_a_full_disk(checkpoint_number):
+        """What TensorFlow leaves when the disk fills mid-save: a temp folder and an empty index."""
+        os.mkdir(f"{checkpoints}/ckpt-{checkpoint_number}_temp")
+        open(f"{checkpoints}/ckpt-{checkpoint_number}.index", "w").close()
+        raise tf.errors.ResourceExhaustedError(None, None, (
+            f"{checkpoints}/ckpt-{checkpoint_number}_temp/part-00000-of-00001.data-00000-of-00001"
+            ".tempstate1760; No space left on device"))
+
+    monkeypatch.setattr(trainer.checkpoints, "save", save_on_a_full_disk)
+    with pytest.raises(UserError) as raised:
+        trainer.train()
+
+    assert str(raised.value) == (f"could not write checkpoint ckpt-80 in {checkpoints}: No space left "
+                                 "on device; free space and run the same command to resume from ckpt-60")
+    assert sorted(os.listdir(checkpoints)) == ["checkpoint"] + [
+        f"ckpt-{step}{suffix}" for step in (20, 40, 60) for suffix in (DATA, ".index")]
+    assert tf.train.latest_checkpoint(checkpoints) == f"{checkpoints}/ckpt-60"
+
+    caplog.clear()
+    resumed = make_trainer(workdir, 80)
+    resumed.train()
+    assert restored_from(caplog) == [f"{checkpoints}/ckpt-60"]
+    assert saved_steps(workdir) == [40, 60, 80]
+
+
+# ----- Through the command line: one line, and no flood of TensorFlow warnings after it -----
+
+def run_cli(*args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "mixloop.train", f"--config={TINY_CONFIG}", *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_one_line_with_nothing_after_it(workdir):
+    result = run_cli(f"--workdir={workdir}", "--config.model.width=32")
+
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: the checkpoint {workdir}/checkpoints/ckpt-60 does not match "
+                                "this run's model"), result.stderr
+    assert sum(line.startswith("error:") for line in lines) == 1
+    assert "could not be found" not in result.stderr
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 300 KB tmpfs: room for two checkpoints of the tiny experiment, not three."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mount_point)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@pytest.mark.slow
+def test_a_really_full_disk_is_one_line_and_leaves_no_partial_checkpoint(tiny_disk):
+    workdir = tiny_disk / "run"
+    result = run_cli(f"--workdir={workdir}", "--config.train.num_steps=60")
+
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: could not write checkpoint ckpt-60 in {workdir}/checkpoints: No space "
+                      "left on device; free space and run the same command to resume from ckpt-40"], \
+        result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["checkpoint"] + [
+        f"ckpt-{step}{suffix}" for step in (20, 40) for suffix in (DATA, ".index")]
