@@ -76,6 +76,16 @@ def test_a_generator_that_raises_is_one_line_naming_the_pipeline_and_the_step(tm
     assert checkpoint_steps(tmp_path) == [4]
 
 
+def test_a_generator_that_raises_while_its_batches_are_counted_is_one_line(tmp_path):
+    # Not repeated and of unknown length: the batches are counted by one pass before training.
+    config = make_config(**{"data.raise_at_batch": 20, "train.repeat_dataset": False})
+    with pytest.raises(UserError, match=r"^the train data pipeline failed while its batches were "
+                                        r"counted \(one pass, .*\): ValueError: record 640 of the "
+                                        r"generator is corrupt$"):
+        faulty_experiment.FaultyTrainer(config, str(tmp_path)).train()
+    assert checkpoint_steps(tmp_path) == []
+
+
 class PyFunctionTrainer(faulty_experiment.FaultyTrainer):
     """Train batches through a `tf.py_function` that raises RuntimeError (TensorFlow's
     UnknownError) at the first batch."""

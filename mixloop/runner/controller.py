@@ -223,14 +223,14 @@ def _loop_failure(trainer: Runnable, error: tf.errors.OpError, start_step: int) 
     if train_data.failed_reading(error):
         last = tf.train.latest_checkpoint(trainer.resume_directory())
         kept = f"the last checkpoint ({last}) is kept" if last else "no checkpoint was saved yet"
-        return (f"the train data pipeline failed near step {near}: {_op_error_summary(error)}; "
+        return (f"the train data pipeline failed near step {near}: {op_error_summary(error)}; "
                 f"{kept}")
     hint = (" (the step is compiled with XLA; --config.jit_compile=False runs it without)"
             if trainer.jit_compile and isinstance(error, tf.errors.UnimplementedError) else "")
-    return f"the train step failed near step {near}: {_op_error_summary(error)}{hint}"
+    return f"the train step failed near step {near}: {op_error_summary(error)}{hint}"
 
 
-def _op_error_summary(error: tf.errors.OpError) -> str:
+def op_error_summary(error: tf.errors.OpError) -> str:
     """The line of a TensorFlow op error that says what went wrong, without the trace around it.
 
     That is the last line outside the traces: the shapes or values an op refused (`Matrix

@@ -316,13 +316,21 @@ class Trainer:
         """Batches in one pass over the train data, or None when it repeats.
 
         Counted once by reading the data when tf.data does not know its length.
+
+        Raises:
+          UserError: when reading the data fails (a generator that raises, a missing file).
         """
         if self.config.train.repeat_dataset:
             return None
         cardinality = int(self._train_data.cardinality())
         if cardinality >= 0:
             return cardinality
-        return int(self._train_data.reduce(0, lambda count, _: count + 1))
+        try:
+            return int(self._train_data.reduce(0, lambda count, _: count + 1))
+        except tf.errors.OpError as error:
+            raise UserError(f"the train data pipeline failed while its batches were counted (one "
+                            f"pass, as its length is unknown and config.train.repeat_dataset is "
+                            f"False): {controller.op_error_summary(error)}") from None
 
     def _checkpoint_workdir(self) -> str:
         """Where this process saves: the workdir on the chief, a worker's own folder elsewhere.
