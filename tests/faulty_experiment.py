@@ -3,8 +3,12 @@
 `config.data` knobs: `nan_batches` (batch indices whose inputs are NaN), `overflow_batches` (batch
 indices whose loss is multiplied by 1e9, so float16 gradients overflow at any scale),
 `drop_batches` (batch indices left out), `label_offset`
-(pushes labels out of range), `num_examples`, `num_eval` (0: an empty eval set). `config.model`
-knobs: `width`, `depth` (slows steps), `ballast` (floats in an extra variable: slows checkpoints).
+(pushes labels out of range), `num_examples`, `num_eval` (0: an empty eval set); data sources:
+`generator` (the train batches come from a Python generator, `tf.data.Dataset.from_generator`,
+whose iterator TensorFlow cannot checkpoint), `raise_at_batch` (the generator raises ValueError
+at that batch index, -1: never), `bad_shape_batch` (that batch index has 9 features, not 8; -1:
+none) and `no_drop_remainder` (the train set batched without `drop_remainder=True`); the last
+three imply `generator`. `config.model` knobs: `width`, `depth` (slows steps), `ballast` (floats in an extra variable: slows checkpoints).
 """
 
 import keras
@@ -62,16 +66,40 @@ class FaultyTrainer(mixloop.Trainer):
         for index in data.drop_batches:
             keep[index * batch_size:(index + 1) * batch_size] = False
         train = tf.data.Dataset.from_tensor_slices((features[keep], labels[keep], overflow[keep]))
+        if data.generator or data.raise_at_batch >= 0 or data.bad_shape_batch >= 0:
+            train = _generated_batches(features[keep], labels[keep], overflow[keep], batch_size, data)
+        elif data.no_drop_remainder:
+            train = train.batch(batch_size)
+        else:
+            train = train.batch(batch_size, drop_remainder=True)
         evaluation = tf.data.Dataset.from_tensor_slices((features[:data.num_eval],
                                                          labels[:data.num_eval]))
-        return (train.batch(batch_size, drop_remainder=True),
-                evaluation.batch(32, drop_remainder=True))
+        return train, evaluation.batch(32, drop_remainder=True)
 
     def compute_loss(self, outputs, batch):
         per_example = keras.losses.sparse_categorical_crossentropy(batch[1], outputs, from_logits=True)
         if len(batch) == 3:  # Train batches carry the overflow flag; eval batches do not.
             per_example *= tf.where(batch[2], OVERFLOW_FACTOR, 1.0)
         return tf.reduce_mean(per_example)
+
+
+def _generated_batches(features, labels, overflow, batch_size, data):
+    """The same batches from a Python generator, failing as the `config.data` knobs ask."""
+
+    def batches():
+        for index in range(len(features) // batch_size):
+            if index == data.raise_at_batch:
+                raise ValueError(f"record {index * batch_size} of the generator is corrupt")
+            rows = slice(index * batch_size, (index + 1) * batch_size)
+            x = features[rows]
+            if index == data.bad_shape_batch:
+                x = np.concatenate([x, x[:, :1]], axis=1)
+            yield x, labels[rows], overflow[rows]
+
+    num_features = None if data.bad_shape_batch >= 0 else 8
+    return tf.data.Dataset.from_generator(batches, output_signature=(
+        tf.TensorSpec((batch_size, num_features), tf.float32),
+        tf.TensorSpec((batch_size,), tf.int32), tf.TensorSpec((batch_size,), tf.bool)))
 
 
 def get_config(arg=None):
@@ -88,6 +116,10 @@ def get_config(arg=None):
     config.data.overflow_batches = ()  # Batch indices whose loss is scaled by OVERFLOW_FACTOR.
     config.data.drop_batches = ()  # Batch indices left out of the train data.
     config.data.label_offset = 0  # Added to every label; 3 or more is out of range.
+    config.data.generator = False  # True: train batches from a Python generator (uncheckpointable).
+    config.data.raise_at_batch = -1  # The generator raises ValueError at this batch index.
+    config.data.bad_shape_batch = -1  # This batch index has 9 features instead of 8.
+    config.data.no_drop_remainder = False  # True: the train set batched without drop_remainder.
     config.precision.policy = "mixed_float16"
     config.train.num_steps = 24
     config.train.batch_size = 32

@@ -36,7 +36,8 @@ class HotTrainer(mixloop.Trainer):
         features = rng.normal(size=(512, 8)).astype("float32")
         labels = (features[:, 0] > 0).astype("int32") + (features[:, 1] > 0)
         data = tf.data.Dataset.from_tensor_slices((features, labels))
-        return data.shuffle(512, seed=self.config.seed).batch(self.config.train.batch_size), None
+        train = data.shuffle(512, seed=self.config.seed)
+        return train.batch(self.config.train.batch_size, drop_remainder=True), None
 
     def compute_loss(self, outputs, batch):
         return tf.reduce_mean(

@@ -8,6 +8,7 @@ SIGTERM into a checkpoint and a clean exit, and stops on divergence or at the en
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import time
 from typing import Any, Optional, Protocol
@@ -18,7 +19,7 @@ import tensorflow as tf
 from absl import logging
 
 from mixloop.errors import UserError
-from mixloop.runner import checkpointing, guard, reporting, workdir
+from mixloop.runner import checkpointing, guard, reporting, train_data, workdir
 
 EMPTY_EVAL_DATA = "the eval dataset is empty: build_datasets() returned one with no batches"
 
@@ -166,13 +167,13 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[di
         started = time.perf_counter()
         try:
             totals = trainer.train_loop(_loop_length(trainer, actions, step, last_step))
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
-            hint = (" (the step is compiled with XLA; --config.jit_compile=False runs it without)"
-                    if trainer.jit_compile and isinstance(error, tf.errors.UnimplementedError) else "")
-            raise UserError(f"the train step failed near step {step + 1}: "
-                            f"{_op_error_summary(error)}{hint}") from None
         except tf.errors.OutOfRangeError:  # Only after a recovery, whose data moved on further.
             return metrics, guard.END_OF_DATA
+        except tf.errors.OpError as error:
+            if not (train_data.failed_reading(error) or isinstance(
+                    error, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError))):
+                raise
+            raise UserError(_loop_failure(trainer, error, step)) from None
         interval.add(totals, time.perf_counter() - started)
         step = int(trainer.global_step.numpy())
         _log_first_skips(trainer, interval, logged_first_skips)
@@ -213,13 +214,37 @@ def _run_actions(writer: reporting.MetricWriter, split: str, step: int, due: lis
     writer.flush(split)
 
 
-def _op_error_summary(error: tf.errors.OpError) -> str:
-    """The line of a TensorFlow op error that says what went wrong, without the trace around it."""
+def _loop_failure(trainer: Runnable, error: tf.errors.OpError, start_step: int) -> str:
+    """The one line for an op error of the inner loop that began after `start_step`: reading the
+    data failed (the last checkpoint is named: nothing later is saved) or the step did."""
+    # The step counter holds the finished updates, perhaps with the failing one (its increment
+    # does not wait for that update's data or step); the loop's first step is a floor.
+    near = max(start_step + 1, int(trainer.global_step.numpy()))
+    if train_data.failed_reading(error):
+        last = tf.train.latest_checkpoint(trainer.resume_directory())
+        kept = f"the last checkpoint ({last}) is kept" if last else "no checkpoint was saved yet"
+        return (f"the train data pipeline failed near step {near}: {op_error_summary(error)}; "
+                f"{kept}")
+    hint = (" (the step is compiled with XLA; --config.jit_compile=False runs it without)"
+            if trainer.jit_compile and isinstance(error, tf.errors.UnimplementedError) else "")
+    return f"the train step failed near step {near}: {op_error_summary(error)}{hint}"
+
+
+def op_error_summary(error: tf.errors.OpError) -> str:
+    """The line of a TensorFlow op error that says what went wrong, without the trace around it.
+
+    That is the last line outside the traces: the shapes or values an op refused (`Matrix
+    size-incompatible: In[0]: [32,9], In[1]: [8,16]`), or a Python exception raised in the data
+    pipeline (`ValueError: ...`, the last line of its traceback), without tf.data's prefix naming
+    the transformation.
+    """
     noise = ("Graph execution error", "Detected at node", 'File "', "[[", "Stack trace",
              "tf2xla conversion failed")
     lines = [line.strip() for line in error.message.splitlines()]
     useful = [line for line in lines if line and not line.startswith(noise)]
     summary = (useful[-1] if useful else lines[0]).split("\t")[0].strip()
+    summary = re.sub(r"^Error in user-defined function passed to .*? with iterator: \S+: ", "",
+                     summary)
     if " is not in [" in summary:
         summary += " (an integer input, such as a label, outside its valid range)"
     return summary

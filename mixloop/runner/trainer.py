@@ -25,7 +25,7 @@ from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
 from mixloop.engine.step import Batch, TrainStep, default_input_fn, forward, masked_paths
 from mixloop.errors import UserError
 from mixloop.runner import (checkpointing, controller, distribution, guard, optimizers,
-                            precision_setup, reporting)
+                            precision_setup, reporting, train_data)
 from mixloop.runner.actions import Action
 from mixloop.runner.state import RunState
 
@@ -72,15 +72,16 @@ class Trainer:
             # Before the data and the first trace, so compute_loss and build_datasets may read it.
             self.research_state = _checked_extra_state(self.extra_state())
         self._train_data, self.eval_data = self.build_datasets()
+        train_data.check_batches(self._train_data.element_spec, config.train.batch_size)
         self.train_metric_names = self.train_step.metric_names(self._train_data.element_spec)
         reporting.check_metric_names(
             [metric for names in self.train_metric_names.values() for metric in names])
-        # The default strategy's plain tf.data iterator is checkpointed itself. TensorFlow cannot
-        # checkpoint a distributed one, so other strategies make theirs on first use, fast-forwarded
-        # by the restored step (`train_iterator`).
-        self._train_iterator = (self.make_train_iterator(0)
-                                if self.strategy is tf.distribute.get_strategy() else None)
-        self.iterator_in_checkpoint = isinstance(self._train_iterator, tf.data.Iterator)
+        # The default strategy's plain tf.data iterator goes into the checkpoint when TensorFlow
+        # can serialize it; otherwise (another strategy, a Python generator) the iterator is made
+        # on first use, fast-forwarded by the restored step (`train_iterator`).
+        self._train_iterator = train_data.checkpointed_iterator(self.strategy,
+                                                                self.make_train_iterator)
+        self.iterator_in_checkpoint = self._train_iterator is not None
         # What a checkpoint holds. Variables go in as lists: Keras 3 does not track every variable
         # (such as dropout seed states) through the model object.
         self.checkpointed = dict(
@@ -306,21 +307,30 @@ class Trainer:
 
         The data repeats when `config.train.repeat_dataset` says so; otherwise it may run out.
         """
-        data = self._train_data.repeat() if self.config.train.repeat_dataset else self._train_data
-        data = data.skip(start_step).prefetch(tf.data.AUTOTUNE)
-        return iter(distribution.distribute(self.strategy, lambda: data, self.config.train.batch_size))
+        return train_data.make_iterator(self.strategy, self._train_data,
+                                        repeat=self.config.train.repeat_dataset,
+                                        start_step=start_step,
+                                        batch_size=self.config.train.batch_size)
 
     def num_train_batches(self) -> Optional[int]:
         """Batches in one pass over the train data, or None when it repeats.
 
         Counted once by reading the data when tf.data does not know its length.
+
+        Raises:
+          UserError: when reading the data fails (a generator that raises, a missing file).
         """
         if self.config.train.repeat_dataset:
             return None
         cardinality = int(self._train_data.cardinality())
         if cardinality >= 0:
             return cardinality
-        return int(self._train_data.reduce(0, lambda count, _: count + 1))
+        try:
+            return int(self._train_data.reduce(0, lambda count, _: count + 1))
+        except tf.errors.OpError as error:
+            raise UserError(f"the train data pipeline failed while its batches were counted (one "
+                            f"pass, as its length is unknown and config.train.repeat_dataset is "
+                            f"False): {controller.op_error_summary(error)}") from None
 
     def _checkpoint_workdir(self) -> str:
         """Where this process saves: the workdir on the chief, a worker's own folder elsewhere.
