@@ -1,5 +1,9 @@
 """mixloop: explicit mixed-precision training for TensorFlow 2 and Keras 3."""
 
+from mixloop import interrupts
+
+interrupts.exit_quietly_while_starting()  # Before TensorFlow's import: only for the command.
+
 from mixloop.engine.layer_precision import build_model, keep_float32_layers
 from mixloop.engine.loss import Loss
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, all_finite

@@ -6,12 +6,16 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Callable
+import sysconfig
+import traceback
+import types
+from typing import Callable, Optional
 
 import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from mixloop import interrupts
 from mixloop.config import validate
 from mixloop.errors import UserError
 
@@ -76,6 +80,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
         config_file = flags.FLAGS["config"].config_filename.split(":")[0]
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"config file {config_file!r} does not exist")
+        if len(remaining) > 1:
+            raise ValueError(f"unexpected argument {' '.join(map(repr, remaining[1:]))}: the command "
+                             "takes only flags (--config=PATH[:VARIANT], --workdir=DIR, "
+                             "--config.KEY=VALUE)")
         return remaining
     except Exception as error:  # absl and config_flags raise many types; the user needs the text.
         cause = error.args[0] if error.args else error
@@ -98,17 +106,62 @@ def _unknown_key(detail: str) -> str:
     return f"unknown config key {key} in a --config override. {suggestion}".strip()
 
 
+# Where code that is not the experiment's lives: mixloop, Python's library, installed packages.
+_LIBRARY_FOLDERS = tuple(os.path.join(folder, "") for folder in {
+    os.path.dirname(os.path.abspath(__file__)),
+    *(sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib"))})
+
+
+def _is_user_code(frame: types.FrameType) -> bool:
+    """Whether `frame` runs the experiment's own code: not mixloop, Python, an installed package,
+    or code TensorFlow generated."""
+    filename = frame.f_code.co_filename
+    return not (filename.startswith(_LIBRARY_FOLDERS) or filename.startswith("<")
+                or "__autograph_generated_file" in filename)
+
+
+def _hook_failure(error: Exception) -> Optional[UserError]:
+    """The one line for `error` raised in a method of the experiment's Trainer subclass (such as
+    `build_model` failing on a config value), naming the method, the experiment's own line that
+    failed and the command line's overrides; None when no such method is on the traceback (a bug
+    elsewhere keeps its traceback)."""
+    from mixloop.runner.trainer import Trainer
+
+    user_frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)
+                   if _is_user_code(frame)]
+    hooks = [frame for frame, _ in user_frames if isinstance(frame.f_locals.get("self"), Trainer)]
+    if not hooks:
+        return None
+    failed, line = user_frames[-1]
+    overrides = ", ".join(f"{key}={value}" for key, value in
+                          config_flags.get_override_values(flags.FLAGS["config"]).items())
+    return UserError(f"{hooks[0].f_code.co_name}() failed: {type(error).__name__}: "
+                     f"{' '.join(str(error).split())} (at {failed.f_code.co_filename}:{line}); check "
+                     "the config values it reads"
+                     + (f" (set on the command line: {overrides})" if overrides else ""))
+
+
+def _exit_with(error: UserError) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(error.exit_code)
+
+
 def run(command: Callable[[], None]) -> None:
-    """Runs `command` as a program: flags parsed, a `UserError` printed as one line with its exit code."""
+    """Runs `command` as a program: flags parsed, a `UserError` printed as one line with its exit
+    code, and so is a TypeError or ValueError from the experiment's Trainer methods (`_hook_failure`)."""
 
     def main(argv: list[str]) -> None:
-        if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
         try:
             command()
         except UserError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(error.exit_code)
+            _exit_with(error)
+        except (TypeError, ValueError) as error:
+            user_error = _hook_failure(error)
+            if user_error is None:
+                raise
+            _exit_with(user_error)
+        finally:
+            interrupts.disarm()
 
     flags.mark_flag_as_required("config")
     app.run(main, flags_parser=_parse_flags)

@@ -1,10 +1,17 @@
-"""The commands' shared pieces, in-process: default workdirs and fitting a shortened run."""
+"""The commands' shared pieces, in-process: default workdirs, fitting a shortened run, and the
+one-line refusals and startup interrupts (their CLI runs are in test_train_cli.py)."""
 
 import logging
+import signal
+import sys
 
+import pytest
 import tiny_experiment
 
-from mixloop import cli
+import mixloop
+from mixloop import cli, interrupts
+from mixloop.errors import UserError
+from mixloop.runner import workdir
 
 
 def test_a_variant_gets_its_own_default_workdir():
@@ -22,3 +29,52 @@ def test_a_run_shortened_below_its_warmup_warms_up_over_a_tenth_with_a_notice(tm
     assert "optimizer.warmup_steps=100 does not fit train.num_steps=8: warming up over 0" in caplog.text
     config.train.num_steps, config.optimizer.warmup_steps = 40, 50
     assert cli.build_trainer(config, str(tmp_path / "b")).config.optimizer.warmup_steps == 4
+
+
+def test_a_config_json_folder_is_refused_and_kept(tmp_path):
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(UserError, match=r"config.json is a folder, not a config file; it records "):
+        workdir.write_config(str(tmp_path), tiny_experiment.get_config(), step=10)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.json"]
+    assert (tmp_path / "config.json").is_dir()
+
+
+def test_an_error_outside_the_experiments_trainer_code_keeps_its_traceback():
+    trainer = tiny_experiment.TinyTrainer.__new__(tiny_experiment.TinyTrainer)
+    with pytest.raises(NotImplementedError) as in_mixloop:  # A Trainer method, but mixloop's.
+        mixloop.Trainer.build_datasets(trainer)
+    with pytest.raises(ValueError) as outside_a_trainer:
+        int("not a number")
+    assert cli._hook_failure(in_mixloop.value) is None
+    assert cli._hook_failure(outside_a_trainer.value) is None
+
+
+@pytest.mark.parametrize("argv, orig_argv, starting", [
+    (["-m"], ["python", "-m", "mixloop.train", "--config=c.py"], True),
+    (["-m"], ["python", "-X", "importtime", "-m", "mixloop.train"], True),
+    (["-m"], ["python", "-mmixloop.train"], True),
+    (["-m"], ["python", "-m", "mixloop.benchmark"], False),
+    (["-m"], ["python", "-m", "pytest", "-m", "mixloop.train"], False),  # A marker expression.
+    (["script.py"], ["python", "script.py", "-m", "mixloop.train"], False),
+])
+def test_the_startup_handlers_are_armed_only_for_the_train_command(monkeypatch, argv, orig_argv,
+                                                                    starting):
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    assert interrupts.is_starting_command() == starting
+
+
+def test_disarming_gives_back_pythons_handlers(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["-m"])
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "mixloop.train"])
+    before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        interrupts.exit_quietly_while_starting()
+        assert signal.getsignal(signal.SIGTERM) is signal.getsignal(signal.SIGINT) is not before[
+            signal.SIGINT]
+        interrupts.disarm()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)

@@ -1,10 +1,14 @@
 """`python -m mixloop.train` end to end, and its one-line refusals of bad input."""
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import slow_start_experiment
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
@@ -12,11 +16,20 @@ TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
 pytestmark = pytest.mark.slow
 
 
-def run_cli(*args, cwd=None):
+def cli_command(*args, prefix=()):
+    """The command line and environment of `python -m mixloop.train args`, run via `prefix`."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "mixloop.train", *args], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=300)
+    return [*prefix, sys.executable, "-m", "mixloop.train", *args], env
+
+
+def run_cli(*args, cwd=None, prefix=()):
+    command, env = cli_command(*args, prefix=prefix)
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def error_lines(result):
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
 def snapshot(directory):
@@ -69,6 +82,13 @@ def trained_workdir(tmp_path_factory):
     ([f"--config={TINY_CONFIG}", "--config.model.per_example_loss=True"],
      "compute_loss must return a scalar mean, (loss_sum, weight) or mixloop.Loss(value, weight, "
      "metrics) of scalars; the loss has shape (None,)"),
+    ([f"--config={TINY_CONFIG}", "stray"],
+     "unexpected argument 'stray': the command takes only flags (--config=PATH[:VARIANT], "
+     "--workdir=DIR, --config.KEY=VALUE)"),
+    ([f"--config={TINY_CONFIG}", "--config.model.width=0"],  # A value the experiment's model refuses.
+     "build_model() failed: ValueError: Received an invalid value for `units`, expected a "
+     f"positive integer. Received: units=0 (at {TESTS_DIR}/tiny_experiment.py:19); check the config "
+     "values it reads (set on the command line: model.width=0)"),
 ])
 def test_bad_input_is_one_line_and_leaves_the_workdir(trained_workdir, args, message):
     before = snapshot(trained_workdir)
@@ -76,9 +96,116 @@ def test_bad_input_is_one_line_and_leaves_the_workdir(trained_workdir, args, mes
 
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result)
     assert len(errors) == 1 and message in errors[0], result.stderr
     assert snapshot(trained_workdir) == before
+
+
+@pytest.fixture
+def trained_copy(trained_workdir, tmp_path):
+    """A copy of the trained workdir, for a test to damage."""
+    return shutil.copytree(trained_workdir, tmp_path / "run")
+
+
+def _lock_folder(run):
+    (run / ".lock").mkdir()
+    (run / ".lock" / "notes.txt").write_text("kept\n")
+    return run
+
+
+def _garbled_config(run):
+    (run / "config.json").write_text("{garbled")
+    return run
+
+
+@pytest.mark.parametrize("make_workdir, message", [
+    (lambda run: run / "config.json", "the workdir {workdir} is a file, not a folder; choose another "
+                                      "--workdir"),
+    (lambda run: run / "config.json" / "next", "the workdir {workdir} is under {run}/config.json, "
+                                               "which is a file, not a folder; choose another --workdir"),
+    (_lock_folder, "{run}/.lock is a folder, where mixloop keeps the workdir's lock file; move it "
+                   "away, or choose another --workdir"),
+    (_garbled_config, "{run}/config.json is not valid JSON (Expecting property name enclosed in "
+                      "double quotes: line 1 column 2 (char 1)); it records the config of the run in "
+                      "this workdir: repair or move it, or choose another --workdir"),
+], ids=["a regular file", "under a file", ".lock a folder", "config.json not JSON"])
+def test_an_unusable_workdir_is_one_line_and_loses_nothing(trained_copy, make_workdir, message):
+    workdir = make_workdir(trained_copy)
+    before = snapshot(trained_copy)
+    result = run_cli(f"--config={TINY_CONFIG}", f"--workdir={workdir}")
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert error_lines(result) == ["error: " + message.format(workdir=workdir, run=trained_copy)]
+    assert snapshot(trained_copy) == before
+
+
+def _without_root_file_access():
+    """A prefix that runs a command as root without its power to bypass file permissions (what a
+    chmod means to everyone else), or None when that cannot be had."""
+    if os.geteuid() != 0:
+        return ()
+    prefix = ("setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search", "--")
+    if shutil.which("setpriv") and subprocess.run([*prefix, "true"]).returncode == 0:
+        return prefix
+    return None
+
+
+def _chmod_folders(directory, mode):
+    for folder, _, _ in os.walk(directory):
+        os.chmod(folder, mode)
+
+
+def test_a_read_only_workdir_is_one_line_and_loses_nothing(trained_copy):
+    prefix = _without_root_file_access()
+    if prefix is None:
+        pytest.skip("runs as root and setpriv cannot drop the file-permission capabilities")
+    _chmod_folders(trained_copy, 0o555)
+    before = snapshot(trained_copy)
+    try:
+        result = run_cli(f"--config={TINY_CONFIG}", f"--workdir={trained_copy}",
+                         "--config.train.num_steps=20", prefix=prefix)
+    finally:
+        _chmod_folders(trained_copy, 0o755)
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert error_lines(result) == [f"error: cannot write to the workdir {trained_copy}: Permission "
+                                   f"denied ({trained_copy}/.lock); choose a --workdir you can write to"]
+    assert snapshot(trained_copy) == before
+
+
+def _catches(pid, signal_number):
+    """Whether process `pid` has a handler installed for `signal_number` (Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) >> (signal_number - 1) & 1)
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_startup_is_one_line_and_writes_nothing(tmp_path, signal_number):
+    """SIGINT while TensorFlow imports (right after `mixloop` armed its handlers, which it does
+    before importing TensorFlow), SIGTERM while the experiment builds its model."""
+    workdir = tmp_path / "run"
+    config = TINY_CONFIG if signal_number == signal.SIGINT else slow_start_experiment.__file__
+    command, env = cli_command(f"--config={config}", f"--workdir={workdir}")
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        if signal_number == signal.SIGINT:  # Python alone catches only SIGINT.
+            while process.poll() is None and not _catches(process.pid, signal.SIGTERM):
+                time.sleep(0.01)
+        else:
+            while (line := process.stderr.readline()) and slow_start_experiment.BUILDING not in line:
+                pass
+        process.send_signal(signal_number)
+        stderr = process.communicate(timeout=60)[1]
+    finally:
+        process.kill()
+
+    assert process.returncode == 128 + signal_number
+    assert "Traceback" not in stderr
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
+        f"error: interrupted by {signal.Signals(signal_number).name} before training started; "
+        "nothing was written"]
+    assert not workdir.exists()
 
 
 def test_deterministic_with_xla_on_a_max_pool_model_is_one_line_naming_jit_compile(tmp_path):

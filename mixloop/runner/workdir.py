@@ -1,4 +1,5 @@
-"""Workdir safety: one run per workdir (a lock file with the owner's pid), and the config history."""
+"""Workdir safety: one run per workdir (a lock file with the owner's pid), the config history, and
+one-line refusals of a workdir that cannot be one (a file, unwritable, a folder where a file belongs)."""
 
 from __future__ import annotations
 
@@ -39,22 +40,33 @@ class WorkdirLock:
         self.path = os.path.join(directory, LOCK_NAME)
 
     def __enter__(self) -> "WorkdirLock":
-        os.makedirs(self.directory, exist_ok=True)
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                self._clear_stale_lock()
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
-            return self
+        """Takes the lock.
+
+        Raises:
+          UserError: when another run holds it, or the folder cannot be created or written.
+        """
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            for _ in range(2):
+                try:
+                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                except FileExistsError:
+                    self._clear_stale_lock()
+                    continue
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+                return self
+        except OSError as error:
+            raise _unusable_workdir(self.directory, error) from None
         raise UserError(f"could not take the lock {self.path}; another run is starting there")
 
     def __exit__(self, *exc_info) -> None:
         os.remove(self.path)
 
     def _clear_stale_lock(self) -> None:
+        if os.path.isdir(self.path):
+            raise UserError(f"{self.path} is a folder, where mixloop keeps the workdir's lock file; "
+                            "move it away, or choose another --workdir")
         try:
             with open(self.path) as f:
                 owner = json.load(f)
@@ -68,6 +80,21 @@ class WorkdirLock:
             )
         logging.warning("Removing the stale lock %s of process %d, which no longer runs", self.path, pid)
         os.remove(self.path)
+
+
+def _unusable_workdir(directory: str, error: OSError) -> UserError:
+    """The one line for `directory` failing as a workdir with `error`: a file, under a file, or not
+    writable (permissions, a read-only file system)."""
+    existing = os.path.normpath(directory)
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)  # The nearest part of the path that exists.
+    if os.path.lexists(existing) and not os.path.isdir(existing):
+        where = "is" if existing == os.path.normpath(directory) else f"is under {existing}, which is"
+        return UserError(f"the workdir {directory} {where} a file, not a folder; "
+                         "choose another --workdir")
+    where = "" if error.filename == directory else f" ({error.filename})"
+    return UserError(f"cannot write to the workdir {directory}: {error.strerror}{where}; "
+                     "choose a --workdir you can write to")
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -91,8 +118,7 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
     path = os.path.join(directory, "config.json")
     new = json.loads(config.to_json_best_effort())
     if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+        old = _read_config(path)
         changes = config_changes(old, new)
         if not changes:
             return
@@ -106,3 +132,20 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
         json.dump(new, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(path + ".tmp", path)
+
+
+def _read_config(path: str) -> Any:
+    """The earlier run's config in `path`.
+
+    Raises:
+      UserError: when it is a folder or not JSON; the run refuses rather than replace the record.
+    """
+    advice = ("it records the config of the run in this workdir: repair or move it, or choose "
+              "another --workdir")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except IsADirectoryError:
+        raise UserError(f"{path} is a folder, not a config file; {advice}") from None
+    except ValueError as error:  # json.JSONDecodeError, UnicodeDecodeError.
+        raise UserError(f"{path} is not valid JSON ({error}); {advice}") from None
