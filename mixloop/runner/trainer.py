@@ -24,7 +24,7 @@ from mixloop.engine.loss import as_losses
 from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
 from mixloop.engine.step import Batch, TrainStep, default_input_fn, forward, masked_paths
 from mixloop.errors import UserError
-from mixloop.runner import (checkpointing, controller, distribution, guard, optimizers,
+from mixloop.runner import (checkpointing, controller, distribution, exporting, guard, optimizers,
                             precision_setup, reporting)
 from mixloop.runner.actions import Action
 from mixloop.runner.state import RunState
@@ -277,14 +277,23 @@ class Trainer:
 
     def export(self) -> str:
         """Saves the model in float32 (with the EMA weights when `config.train.ema_decay` is set)
-        as `workdir/model.keras` for inference; returns the path."""
+        as `workdir/model.keras` for inference; returns the path.
+
+        Logs the code that loads it (`exporting.loading_code`: plain `keras.models.load_model` for a
+        model of Keras and keras-hub classes, after importing the modules of any others), and warns
+        about a class no loader could rebuild.
+        """
         with layer_precision.building_under(precision_setup.Policy.from_string("float32")):
             export_model = self.build_model()
         with self.ema_weights():
             export_model.set_weights(self.model.get_weights())
         path = os.path.join(self.workdir, "model.keras")
         export_model.save(path)
-        logging.info("Exported the float32 model to %s", path)
+        classes = exporting.custom_classes(path)
+        logging.info("Exported the float32 model to %s; load it with: %s", path,
+                     exporting.loading_code(path, classes))
+        for problem in exporting.loading_problems(classes):
+            logging.warning("The exported model will not load: %s", problem)
         return path
 
     @property
