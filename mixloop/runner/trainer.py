@@ -34,6 +34,7 @@ class Trainer:
     """Trains `build_model()` on `build_datasets()` as `config` says, writing into `workdir`."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        reporting.show_info_by_default()  # Progress from a script or notebook too.
         self.config = config
         self.workdir = workdir
         self.strategy = distribution.make_strategy(config.distribution)
@@ -71,7 +72,8 @@ class Trainer:
             self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
             # Before the data and the first trace, so compute_loss and build_datasets may read it.
             self.research_state = _checked_extra_state(self.extra_state())
-        self._train_data, self.eval_data = self.build_datasets()
+        with reporting.announced(f"Building the datasets ({type(self).__name__}.build_datasets)"):
+            self._train_data, self.eval_data = self.build_datasets()
         self.train_metric_names = self.train_step.metric_names(self._train_data.element_spec)
         reporting.check_metric_names(
             [metric for names in self.train_metric_names.values() for metric in names])
@@ -329,7 +331,9 @@ class Trainer:
         cardinality = int(self._train_data.cardinality())
         if cardinality >= 0:
             return cardinality
-        return int(self._train_data.reduce(0, lambda count, _: count + 1))
+        with reporting.announced("Counting the train batches (tf.data does not know how many the "
+                                 "train dataset holds, so it is read once)"):
+            return int(self._train_data.reduce(0, lambda count, _: count + 1))
 
     def _checkpoint_workdir(self) -> str:
         """Where this process saves: the workdir on the chief, a worker's own folder elsewhere.
