@@ -161,6 +161,7 @@ def sample_grid(images: np.ndarray) -> np.ndarray:
     return np.kron(grid, np.ones((GRID_ZOOM, GRID_ZOOM)))[np.newaxis, :, :, np.newaxis]
 
 
+@keras.saving.register_keras_serializable(package="gan_digits")
 class GAN(keras.Model):
     """The generator and the discriminator; a call on real images returns the discriminator's logits
     for them and for as many freshly generated images.

@@ -5,15 +5,12 @@ workdir's latest checkpoint). Bad input is one line on stderr and exit status 2;
 exits with 3.
 """
 
-from absl import logging
-
 from mixloop import cli
 
 
 def main() -> None:
     config, workdir = cli.experiment_from_flags()
-    metrics = cli.build_trainer(config, workdir).train()
-    logging.info("Final metrics: %s", {name: round(value, 4) for name, value in metrics.items()})
+    cli.build_trainer(config, workdir).train()  # It logs the final metrics itself (from Python too).
 
 
 if __name__ == "__main__":

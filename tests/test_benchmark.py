@@ -2,10 +2,12 @@
 on: the inner loop is traced once, whatever the loop lengths, and entered from Python once per loop."""
 
 import json
+import logging
 import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import tensorflow as tf
@@ -135,7 +137,7 @@ def test_python_enters_the_inner_loop_once_per_loop_and_the_loop_holds_no_python
     trainer._train_loop = counted_loop
     trainer.train()
 
-    assert loop_lengths == [10, 10, 10, 10]
+    assert loop_lengths == [1, 9, 10, 10, 10]  # The first, which compiles, is timed apart.
     graph = compiled_loop.get_concrete_function(trainer.train_iterator, tf.constant(10)).graph
     op_types = {op.type for op in graph.get_operations()}
     op_types |= {node.op for function in graph.as_graph_def().library.function
@@ -168,3 +170,19 @@ def test_the_keras_fit_loss_gives_compute_loss_its_integer_labels_back(tmp_path)
     trainer = AccuracyTrainer(tiny_experiment.get_config(), str(tmp_path))
     loss = benchmark._keras_loss(trainer, tf.int32)(tf.constant([2.0]), tf.constant([[0.0, 0.0, 9.0]]))
     assert float(loss) == pytest.approx(math.log1p(2 * math.exp(-9.0)), rel=1e-3)  # float32 softmax
+
+
+def test_timing_logs_each_warm_up_and_each_repeat_as_it_goes(caplog):
+    caplog.set_level(logging.INFO)
+    variants = [benchmark.Variant(name, "float32", 1, "none", False, lambda: time.sleep(0.01))
+                for name in ("bare", "mixloop")]
+    benchmark.time_interleaved(variants, repeats=2, examples_per_repeat=100)
+
+    messages = [record.getMessage() for record in caplog.records]
+    assert [m.split(":")[0] for m in messages] == [
+        "warm-up 1 of 2, bare", "warm-up 2 of 2, mixloop", "repeat 1 of 2, bare",
+        "repeat 1 of 2, mixloop", "repeat 2 of 2, bare", "repeat 2 of 2, mixloop"]
+    speeds = [float(m.split(": ")[1].split()[0]) for m in messages[2:]]
+    expected = [100 / seconds for pair in zip(*(v.seconds for v in variants)) for seconds in pair]
+    assert speeds == pytest.approx(expected, rel=1e-3)
+    assert all(speed < 100 / 0.01 for speed in speeds)  # Each repeat slept 10 ms.

@@ -1,6 +1,7 @@
 """Interval statistics for the progress line and TensorBoard: means over what was measured, per
 objective; and the inner loop's per-update sums."""
 
+import logging
 import math
 
 import pytest
@@ -28,6 +29,26 @@ def test_means_are_over_finite_losses_and_applied_updates():
     summary = interval.summary(step=110, skipped_totals={"model": 5}, batch_size=32)
     assert summary == {"loss": 2.0, "grad_norm": 2.0, "skipped_steps": 1.0, "skipped_total": 5.0,
                        "steps_per_sec": 10.0, "examples_per_sec": 320.0}
+
+
+def test_the_loop_that_compiled_counts_in_the_means_but_not_in_the_speed(caplog):
+    interval = reporting.Interval(step=0, skipped_totals={"model": 0})
+    interval.add_untimed({"objectives": {"model": totals(9.0, 1.0, 1.0, 1.0)}}, num_steps=1)
+    summary = interval.summary(step=1, skipped_totals={"model": 0}, batch_size=4)
+    assert "steps_per_sec" not in summary and "examples_per_sec" not in summary
+
+    interval.add({"objectives": {"model": totals(9.0, 9.0, 9.0, 9.0)}}, seconds=0.5)
+    summary = interval.summary(step=10, skipped_totals={"model": 0}, batch_size=4)
+    assert summary["loss"] == 1.8  # (9 + 9) / 10 finite losses: the untimed update counts here...
+    assert summary["steps_per_sec"] == 18.0  # ...but not here: 9 timed updates in 0.5 s.
+    assert summary["examples_per_sec"] == 72.0
+
+    caplog.set_level(logging.INFO)
+    reporting.log_progress(10, 100, summary)
+    reporting.log_progress(1, 100, {"loss": 9.0, "skipped_steps": 0.0, "skipped_total": 0.0})
+    assert [r.getMessage() for r in caplog.records] == [
+        "step 10/100  loss 1.8000  skipped 0 (total 0)  18.00 steps/s  ETA 5s",
+        "step 1/100  loss 9.0000  skipped 0 (total 0)"]
 
 
 def test_an_interval_of_skipped_updates_has_no_gradient_norm_rather_than_nan():

@@ -140,6 +140,8 @@ def train(trainer: Runnable) -> dict[str, float]:
             return metrics
         if trainer.is_chief:
             trainer.export()
+    logging.info("%s", reporting.describe_finish(step, trainer.config.train.num_steps, metrics,
+                                                 has_eval_data=trainer.eval_data is not None))
     return metrics
 
 
@@ -161,12 +163,14 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[di
     metrics: dict[str, float] = {}
     interval = reporting.Interval(step, trainer.state.skipped_totals())
     recoveries, logged_first_skips = 0, set()
+    compiled = False  # The first loop traces and compiles: one update, timed apart.
     while stop.signal_number is None:
         if step >= last_step:
             return metrics, guard.END_OF_DATA if step < num_steps else guard.CONTINUE
+        loop_length = _loop_length(trainer, actions, step, last_step) if compiled else 1
         started = time.perf_counter()
         try:
-            totals = trainer.train_loop(_loop_length(trainer, actions, step, last_step))
+            totals = trainer.train_loop(loop_length)
         except tf.errors.OutOfRangeError:  # Only after a recovery, whose data moved on further.
             return metrics, guard.END_OF_DATA
         except tf.errors.OpError as error:
@@ -174,7 +178,12 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[di
                     error, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError))):
                 raise
             raise UserError(_loop_failure(trainer, error, step)) from None
-        interval.add(totals, time.perf_counter() - started)
+        if compiled:
+            interval.add(totals, time.perf_counter() - started)
+        else:
+            _log_compiled(trainer, time.perf_counter() - started)
+            interval.add_untimed(totals, num_steps=1)
+            compiled = True
         step = int(trainer.global_step.numpy())
         _log_first_skips(trainer, interval, logged_first_skips)
         diverged = _divergence(trainer, totals)
@@ -202,6 +211,11 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[di
         if _is_due(trainer, step, config.checkpoint.every_steps):
             _save(trainer, step)
     return metrics, guard.CONTINUE
+
+
+def _log_compiled(trainer: Runnable, seconds: float) -> None:
+    logging.info("Compiled the train loop in %.1f s (tracing%s, and its first update; left out of "
+                 "steps/s and the ETA)", seconds, " and XLA" if trainer.jit_compile else "")
 
 
 def _run_actions(writer: reporting.MetricWriter, split: str, step: int, due: list) -> None:

@@ -1,14 +1,17 @@
-"""Reporting: TensorBoard summaries for train and eval, the console progress line, and the train
-statistics summed per objective in the inner loop and over the logging interval."""
+"""Reporting: TensorBoard summaries for train and eval, the console lines (progress, slow steps,
+the finish), and the train statistics summed per objective in the inner loop and over the logging
+interval."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Any, Collection, Mapping
+import time
+from typing import Any, Collection, Iterator, Mapping, Optional
 
 import tensorflow as tf
-from absl import logging
+from absl import flags, logging
 
 from mixloop.errors import UserError
 from mixloop.runner import guard
@@ -107,13 +110,19 @@ def add_update(totals: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]
 
 
 def log_progress(step: int, num_steps: int, scalars: Mapping[str, float]) -> None:
-    """One console line: step/total, the losses, train metrics, scales and skips, steps/s, time left."""
-    steps_per_sec = scalars["steps_per_sec"]
-    eta = (num_steps - step) / steps_per_sec if steps_per_sec > 0 else float("inf")
+    """One console line: step/total, the losses, train metrics, scales and skips, steps/s, time left
+    (the last two when the interval was timed)."""
     shown = [_progress_item(name, value, scalars) for name, value in scalars.items()
              if name.split("/")[0] not in ("skipped_total", "learning_rate", "grad_norm", *_SPEED_TAGS)]
-    logging.info("step %d/%d  %s  %.2f steps/s  ETA %s", step, num_steps, "  ".join(shown),
-                 steps_per_sec, format_duration(eta))
+    logging.info("step %d/%d  %s%s", step, num_steps, "  ".join(shown),
+                 _speed_and_eta(num_steps - step, scalars.get("steps_per_sec")))
+
+
+def _speed_and_eta(steps_left: int, steps_per_sec: Optional[float]) -> str:
+    """'  12.50 steps/s  ETA 1m20s', or '' when the speed is not known yet (a positive one is)."""
+    if steps_per_sec is None:
+        return ""
+    return f"  {steps_per_sec:.2f} steps/s  ETA {format_duration(steps_left / steps_per_sec)}"
 
 
 def _progress_item(name: str, value: float, scalars: Mapping[str, float]) -> str:
@@ -141,13 +150,22 @@ class Interval:
 
     def __init__(self, step: int, skipped_totals: Mapping[str, int]):
         self.start_step, self.start_skipped = step, dict(skipped_totals)
-        self.seconds = 0.0
+        self.seconds, self.num_untimed_steps = 0.0, 0
         self.totals = {name: dict.fromkeys(_SUMMED, 0.0) for name in skipped_totals}
         self.metric_sums: dict[str, dict[str, float]] = {name: {} for name in skipped_totals}
 
     def add(self, totals: Mapping[str, Any], seconds: float) -> None:
         """Adds one inner loop's sums and the seconds it took (evaluation and checkpoints excluded)."""
         self.seconds += seconds
+        self._add_sums(totals)
+
+    def add_untimed(self, totals: Mapping[str, Any], num_steps: int) -> None:
+        """Adds one inner loop's sums but leaves its `num_steps` updates out of the speed: the first
+        loop, whose time is mostly tracing and compiling."""
+        self.num_untimed_steps += num_steps
+        self._add_sums(totals)
+
+    def _add_sums(self, totals: Mapping[str, Any]) -> None:
         for objective, objective_totals in totals["objectives"].items():
             for name in _SUMMED:
                 self.totals[objective][name] += float(objective_totals[name])
@@ -160,7 +178,8 @@ class Interval:
         return {name: int(total) - self.start_skipped[name] for name, total in skipped_totals.items()}
 
     def summary(self, step: int, skipped_totals: Mapping[str, int], batch_size: int) -> dict[str, float]:
-        """Per objective the mean loss, gradient norm, train metrics and skipped counts; the speed.
+        """Per objective the mean loss, gradient norm, train metrics and skipped counts; the speed
+        over the timed loops (none when every update of the interval was untimed).
 
         The gradient norm is the mean over applied updates; an interval in which every update was
         skipped has none, and leaves it out rather than write a NaN into TensorBoard.
@@ -178,7 +197,54 @@ class Interval:
             summary[tagged("skipped_total")] = float(skipped_totals[objective])
             if t["num_applied"]:
                 summary[tagged("grad_norm")] = t["grad_norm_sum"] / t["num_applied"]
-        steps_per_sec = (step - self.start_step) / max(self.seconds, 1e-9)
-        summary["steps_per_sec"] = steps_per_sec
-        summary["examples_per_sec"] = steps_per_sec * batch_size
+        num_timed_steps = step - self.start_step - self.num_untimed_steps
+        if num_timed_steps > 0:  # Otherwise the interval has no speed to tell.
+            steps_per_sec = num_timed_steps / max(self.seconds, 1e-9)
+            summary["steps_per_sec"] = steps_per_sec
+            summary["examples_per_sec"] = steps_per_sec * batch_size
         return summary
+
+
+# Train scalars that describe the run's pace or settings rather than what it learned.
+_NOT_RESULTS = ("skipped_steps", "learning_rate", "loss_scale", "grad_norm", *_SPEED_TAGS)
+
+
+def describe_finish(step: int, num_steps: int, metrics: Mapping[str, float], *,
+                    has_eval_data: bool) -> str:
+    """The line a finished run ends with: the step, the last train and eval metrics it reported,
+    and why a group is missing."""
+    train = {name: value for name, value in metrics.items()
+             if not name.startswith("eval_") and name.split("/")[0] not in _NOT_RESULTS}
+    evaluation = {name[len("eval_"):]: value for name, value in metrics.items()
+                  if name.startswith("eval_")}
+    if not metrics:
+        return (f"Finished at step {step} of {num_steps}; no metrics: this run made no update (the "
+                f"workdir's checkpoint was already at step {step}; raise config.train.num_steps to "
+                "train further; earlier metrics are in its TensorBoard event files)")
+    eval_text = (_metrics_text(evaluation) if evaluation else
+                 "none (build_datasets() returned no eval dataset)" if not has_eval_data else "none")
+    return f"Finished at step {step} of {num_steps}. Train: {_metrics_text(train)}. Eval: {eval_text}."
+
+
+def _metrics_text(metrics: Mapping[str, float]) -> str:
+    """'accuracy 0.8125  loss 0.4410', sorted by name (counts without decimals)."""
+    return "  ".join(f"{name} {value:.4f}" if name.split("/")[0] != "skipped_total"
+                     else f"{name} {int(value)}" for name, value in sorted(metrics.items()))
+
+
+def show_info_by_default() -> None:
+    """Lets absl's INFO lines (progress, eval) through when mixloop runs from Python rather than
+    under `absl.app.run`, which does the same after parsing its flags; a verbosity chosen by the
+    user (`absl.logging.set_verbosity`, `--verbosity`) is kept."""
+    if not flags.FLAGS.is_parsed() and flags.FLAGS["verbosity"].using_default_value:
+        logging.set_verbosity(logging.INFO)
+
+
+@contextlib.contextmanager
+def announced(doing: str) -> Iterator[None]:
+    """Logs `doing...` before a block that may take long (so a silent console is not a hung one),
+    and `doing: done in 1.2 s` after it."""
+    logging.info("%s...", doing)
+    started = time.perf_counter()
+    yield
+    logging.info("%s: done in %.1f s", doing, time.perf_counter() - started)

@@ -24,7 +24,7 @@ from mixloop.engine.loss import as_losses
 from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
 from mixloop.engine.step import Batch, TrainStep, default_input_fn, forward, masked_paths
 from mixloop.errors import UserError
-from mixloop.runner import (checkpointing, controller, distribution, guard, optimizers,
+from mixloop.runner import (checkpointing, controller, distribution, exporting, guard, optimizers,
                             precision_setup, reporting, train_data)
 from mixloop.runner.actions import Action
 from mixloop.runner.state import RunState
@@ -34,6 +34,7 @@ class Trainer:
     """Trains `build_model()` on `build_datasets()` as `config` says, writing into `workdir`."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        reporting.show_info_by_default()  # Progress from a script or notebook too.
         self.config = config
         self.workdir = workdir
         self.strategy = distribution.make_strategy(config.distribution)
@@ -71,7 +72,8 @@ class Trainer:
             self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
             # Before the data and the first trace, so compute_loss and build_datasets may read it.
             self.research_state = _checked_extra_state(self.extra_state())
-        self._train_data, self.eval_data = self.build_datasets()
+        with reporting.announced(f"Building the datasets ({type(self).__name__}.build_datasets)"):
+            self._train_data, self.eval_data = self.build_datasets()
         train_data.check_batches(self._train_data.element_spec, config.train.batch_size)
         self.train_metric_names = self.train_step.metric_names(self._train_data.element_spec)
         reporting.check_metric_names(
@@ -278,14 +280,23 @@ class Trainer:
 
     def export(self) -> str:
         """Saves the model in float32 (with the EMA weights when `config.train.ema_decay` is set)
-        as `workdir/model.keras` for inference; returns the path."""
+        as `workdir/model.keras` for inference; returns the path.
+
+        Logs the code that loads it (`exporting.loading_code`: plain `keras.models.load_model` for a
+        model of Keras and keras-hub classes, after importing the modules of any others), and warns
+        about a class no loader could rebuild.
+        """
         with layer_precision.building_under(precision_setup.Policy.from_string("float32")):
             export_model = self.build_model()
         with self.ema_weights():
             export_model.set_weights(self.model.get_weights())
         path = os.path.join(self.workdir, "model.keras")
         export_model.save(path)
-        logging.info("Exported the float32 model to %s", path)
+        classes = exporting.custom_classes(path)
+        logging.info("Exported the float32 model to %s; load it with: %s", path,
+                     exporting.loading_code(path, classes))
+        for problem in exporting.loading_problems(classes):
+            logging.warning("The exported model will not load: %s", problem)
         return path
 
     @property
@@ -325,12 +336,14 @@ class Trainer:
         cardinality = int(self._train_data.cardinality())
         if cardinality >= 0:
             return cardinality
-        try:
-            return int(self._train_data.reduce(0, lambda count, _: count + 1))
-        except tf.errors.OpError as error:
-            raise UserError(f"the train data pipeline failed while its batches were counted (one "
-                            f"pass, as its length is unknown and config.train.repeat_dataset is "
-                            f"False): {controller.op_error_summary(error)}") from None
+        with reporting.announced("Counting the train batches (tf.data does not know how many the "
+                                 "train dataset holds, so it is read once)"):
+            try:
+                return int(self._train_data.reduce(0, lambda count, _: count + 1))
+            except tf.errors.OpError as error:
+                raise UserError(f"the train data pipeline failed while its batches were counted "
+                                f"(one pass, as its length is unknown and config.train.repeat_dataset "
+                                f"is False): {controller.op_error_summary(error)}") from None
 
     def _checkpoint_workdir(self) -> str:
         """Where this process saves: the workdir on the chief, a worker's own folder elsewhere.

@@ -284,16 +284,18 @@ def _with_extra_metric(trainer_class: type) -> type:
 # ----- Timing. -----
 
 
-def time_interleaved(variants: list[Variant], repeats: int) -> None:
-    """Runs every variant once untimed (tracing), then `repeats` timed rounds of all of them in turn.
+def time_interleaved(variants: list[Variant], repeats: int, examples_per_repeat: int) -> None:
+    """Runs every variant once untimed (tracing), then `repeats` timed rounds of all of them in turn,
+    logging a line per warm-up and per timed repeat as it goes.
 
     Python's garbage collector is off while timing, as in `timeit`: a full collection over the traced
     graphs takes about half a second, which would land in one variant's repeat.
     """
-    for variant in variants:
+    for index, variant in enumerate(variants, 1):
         started = time.perf_counter()
         variant.run_fn()
-        logging.info("warm-up of %s: %.1f s", variant.name, time.perf_counter() - started)
+        logging.info("warm-up %d of %d, %s: %.1f s (tracing and compiling)", index, len(variants),
+                     variant.name, time.perf_counter() - started)
     gc.collect()
     gc.disable()
     try:
@@ -302,7 +304,8 @@ def time_interleaved(variants: list[Variant], repeats: int) -> None:
                 started = time.perf_counter()
                 variant.run_fn()
                 variant.seconds.append(time.perf_counter() - started)
-            logging.info("repeat %d of %d done", repeat + 1, repeats)
+                logging.info("repeat %d of %d, %s: %.1f examples/s", repeat + 1, repeats,
+                             variant.name, examples_per_repeat / variant.seconds[-1])
     finally:
         gc.enable()
 
@@ -448,8 +451,10 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
             raise UserError(f"the benchmark times one device, but config.distribution="
                             f"{config.distribution!r} gives {trainer.strategy.num_replicas_in_sync} "
                             "replicas; set --config.distribution=one_device")
+        logging.info("Building the variants (one model, and for mixloop one Trainer, each)...")
         variants = build_variants(trainer, configs, workdir)
-        time_interleaved(variants, repeats)
+        time_interleaved(variants, repeats,
+                         examples_per_repeat=config.train.steps_per_loop * config.train.batch_size)
     return results(variants, trainer.config, repeats=repeats, quick=quick)
 
 
