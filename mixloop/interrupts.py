@@ -3,8 +3,8 @@
 not a traceback from the middle of TensorFlow's import.
 
 The handlers are armed when that command first imports the `mixloop` package, before TensorFlow
-(seconds of the startup). The training loop replaces them with its own (checkpoint, then a clean
-exit) and puts them back when it ends; the command disarms them when its work is done.
+(seconds of the startup). The training loop disarms them as it takes over the signals with its own
+(checkpoint, then a clean exit); the command disarms them too when its work is done.
 """
 
 import signal

@@ -18,6 +18,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
+from mixloop import interrupts
 from mixloop.errors import UserError
 from mixloop.runner import checkpointing, guard, reporting, train_data, workdir
 
@@ -83,6 +84,7 @@ class _StopRequest:
         self._previous = {}
 
     def __enter__(self) -> "_StopRequest":
+        interrupts.disarm()  # From here a signal stops the run at a checkpoint, not its startup.
         try:
             self._previous = {sig: signal.signal(sig, self._request) for sig in _STOP_SIGNALS}
         except ValueError:  # Not the main thread: signals stay with their owner.
