@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import importlib
 import types
 
 import keras
@@ -13,7 +14,6 @@ import numpy as np
 import pytest
 import tiny_experiment
 
-from experiments import charlm, gan_digits
 from mixloop.runner import exporting
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,14 +61,17 @@ def built(trainer_class, config):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", ["charlm", "gan_digits"])
-def test_the_experiments_own_classes_load_after_importing_their_module(tmp_path, experiment):
+def test_the_experiments_own_classes_load_after_importing_their_module(tmp_path, monkeypatch,
+                                                                     experiment):
+    monkeypatch.syspath_prepend(REPO)  # Imported as the CLI imports it: from the repository root.
+    module = importlib.import_module(f"experiments.{experiment}")
     if experiment == "charlm":
-        model = built(charlm.CharLMTrainer, charlm.get_config("quick"))
+        model = built(module.CharLMTrainer, module.get_config("quick"))
         predictor, inputs = "model", np.arange(2 * 32, dtype=np.int32).reshape(2, 32) * 7 % 256
         model.get_layer("position_embedding").positions.assign(
             np.random.default_rng(1).normal(size=(32, 32)))  # Zeros at first: make it count.
     else:  # The part a GAN is exported for: the generator, from given noise.
-        model = built(gan_digits.GANTrainer, gan_digits.get_config("quick"))
+        model = built(module.GANTrainer, module.get_config("quick"))
         predictor, inputs = "model.generator", np.random.default_rng(2).normal(size=(4, 32))
     path = str(tmp_path / "model.keras")
     model.save(path)
