@@ -74,9 +74,10 @@ def make_iterator(strategy: tf.distribute.Strategy, dataset: tf.data.Dataset, *,
 
 
 def checkpointed_iterator(strategy: tf.distribute.Strategy,
-                          make_iterator: Callable[[int], Any]) -> Optional[tf.data.Iterator]:
-    """The run's iterator, made now from the first batch, when a checkpoint can hold it; otherwise
-    None, and the run makes its iterator on first use, fast-forwarded by the restored step.
+                          iterator_from: Callable[[int], Any]) -> Optional[tf.data.Iterator]:
+    """The run's iterator (`iterator_from(start_step)` makes one), made now from the first batch,
+    when a checkpoint can hold it; otherwise None, and the run makes its iterator on first use,
+    fast-forwarded by the restored step.
 
     Only the default strategy's iterator is a plain `tf.data` one. Whether TensorFlow can
     serialize it is tried once, here, rather than found out at the first save; a pipeline it
@@ -84,7 +85,7 @@ def checkpointed_iterator(strategy: tf.distribute.Strategy,
     """
     if strategy is not tf.distribute.get_strategy():
         return None
-    iterator = make_iterator(0)
+    iterator = iterator_from(0)
     problem = _serialization_problem(iterator)
     if problem is None:
         return iterator

@@ -257,8 +257,9 @@ class Trainer:
         On SIGINT or SIGTERM it finishes the current loop, saves a checkpoint and returns early.
 
         Raises:
-          UserError: for a checkpoint that does not fit, a workdir in use, an empty eval set, or a
-            failing train step; `guard.TrainingDiverged` when the run diverges.
+          UserError: for a checkpoint that does not fit or none that reads, a workdir in use or
+            unusable, an empty eval set, a failing train step or data pipeline, or a full disk
+            during a save; `guard.TrainingDiverged` when the run diverges.
         """
         return controller.train(self)
 
