@@ -8,12 +8,13 @@ line naming the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from typing import Any
 
 import ml_collections
-from ml_collections.config_dict import placeholder
+from ml_collections.config_dict import FieldReference, placeholder
 
 from mixloop.engine.policy import Policy
 from mixloop.errors import UserError
@@ -24,6 +25,8 @@ POLICIES = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 DISTRIBUTIONS = ("auto", "one_device", "mirrored", "multi_worker", "tpu")
+AUTO = "auto"  # precision.float32_layers and precision.initial_scale: found by a probe.
+DEFAULT_INITIAL_SCALE = 2.0**15
 
 
 class ConfigError(UserError, ValueError):
@@ -43,14 +46,22 @@ def base_config() -> ml_collections.ConfigDict:
     config.precision = ml_collections.ConfigDict()
     config.precision.policy = "float32"  # float32, mixed_float16, mixed_bfloat16, or auto.
     config.precision.loss_scale = "dynamic"  # "dynamic", "none", or a number for a static scale.
-    config.precision.initial_scale = 2.0**15  # Dynamic scale: the starting value.
+    # Dynamic scale: the starting value, or "auto": the largest that leaves the gradients of a probe of
+    # the first train batches 2**MARGIN_BITS below float16's largest value (the doctor's rule).
+    config.precision.initial_scale = FieldReference(DEFAULT_INITIAL_SCALE, field_type=object)
     config.precision.growth_interval = 2000  # Dynamic scale: finite updates in a row before growing.
     config.precision.growth_factor = 2.0  # Dynamic scale: factor applied on growth (> 1).
     config.precision.backoff_factor = 0.5  # Dynamic scale: factor applied on overflow, in (0, 1).
     config.precision.hysteresis = 1  # Dynamic scale: overflows tolerated before backing off.
     config.precision.min_scale = 1.0  # Dynamic scale: lower bound.
     config.precision.max_scale = 2.0**24  # Dynamic scale: upper bound.
-    config.precision.float32_layers = ""  # Regex of layer paths that also compute in float32.
+    # Regex of layer paths that also compute in float32; "auto" (or "auto|REGEX") adds the layers a probe
+    # of the first train batches finds overflowing 16 bits (and on resume, the ones recorded).
+    config.precision.float32_layers = ""
+    config.precision.probe_batches = 4  # Train batches the automatic placement and healing probe.
+    # On a divergence in 16 bits with finite inputs, probe, move the layers found to float32, restore
+    # the last checkpoint and go on; each heal counts against train.max_recoveries.
+    config.precision.heal = False
 
     config.train = ml_collections.ConfigDict()
     config.train.num_steps = 1000  # Optimizer updates to run, skipped ones included.
@@ -135,6 +146,16 @@ def parse_loss_scale(value: Any) -> Any:
     return number if 0 < number < float("inf") else None
 
 
+def split_auto(float32_layers: str) -> tuple[bool, str]:
+    """`precision.float32_layers` as (whether it asks for the automatic placement, the explicit regex):
+    "auto" -> (True, ""), "auto|logits" -> (True, "logits"), "dense.*" -> (False, "dense.*")."""
+    if float32_layers == AUTO:
+        return True, ""
+    if float32_layers.startswith(AUTO + "|"):
+        return True, float32_layers[len(AUTO) + 1:]
+    return False, float32_layers
+
+
 def _parses_as_policy(value: Any) -> bool:
     try:
         Policy.from_string(str(value))
@@ -163,8 +184,17 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
              f"one of {', '.join(POLICIES)} or 'params=..,compute=..,output=..'")
     _require(parse_loss_scale(p.loss_scale) is not None, "precision.loss_scale", p.loss_scale,
              "'dynamic', 'none' or a positive finite number")
-    _require(_compiles(p.float32_layers), "precision.float32_layers", p.float32_layers,
-             "a Python regular expression over layer paths")
+    _require(isinstance(p.float32_layers, str) and _compiles(split_auto(p.float32_layers)[1]),
+             "precision.float32_layers", p.float32_layers,
+             "a Python regular expression over layer paths, 'auto', or 'auto|REGEX'")
+    _require(p.initial_scale == AUTO or (_is_number(p.initial_scale) and 0 < p.initial_scale < math.inf),
+             "precision.initial_scale", p.initial_scale, "a positive finite number or 'auto'")
+    _require(_is_int(p.probe_batches) and p.probe_batches >= 1, "precision.probe_batches",
+             p.probe_batches, "a positive integer")
+    _require(isinstance(p.heal, bool), "precision.heal", p.heal, "True or False")
+    _require(not p.heal or t.max_recoveries >= 1, "precision.heal", p.heal,
+             "True needs train.max_recoveries of at least 1 (each heal counts as a recovery), "
+             f"but it is {t.max_recoveries}")
     for key in ("num_steps", "batch_size", "accumulation_steps", "steps_per_loop", "log_every_steps"):
         _require(_is_int(t[key]) and t[key] >= 1, f"train.{key}", t[key], "a positive integer")
     for key in ("max_consecutive_skips", "max_recoveries"):

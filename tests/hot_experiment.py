@@ -1,12 +1,22 @@
-"""Two planted precision problems for the precision doctor's tests: a hot layer and faint gradients.
+"""Planted precision problems for the doctor's and the automatic placement's tests: a hot layer,
+faint gradients, a long-axis reduction and a layer that overflows only after some training.
 
     python -m mixloop.diagnose --config=tests/hot_experiment.py        # tests/ on PYTHONPATH
     python -m mixloop.diagnose --config=tests/hot_experiment.py:faint
+    python -m mixloop.train --config=tests/hot_experiment.py:reduction --workdir=/tmp/r \
+        --config.precision.float32_layers=auto
+    python -m mixloop.train --config=tests/hot_experiment.py:growing --workdir=/tmp/g \
+        --config.precision.heal=True --config.train.max_recoveries=1
 
 Expect for the default ("hot"): layer `hot` outputs values near 1e5, beyond float16's 65504, so the
 mixed_float16 loss is NaN from the first step; the advice keeps `hot` and its consumer `squash` in
 float32, and calls mixed_bfloat16 safe. For "faint": gradients near 1e-9 all flush to zero in float16 without a loss
 scale; the advice is a dynamic loss scale starting at 2^41 (and a max_scale to allow it).
+For "reduction": `pool` averages 2,048 positions of values near 40 by summing them first; the sum,
+near 82,000, overflows float16 although every input and output of the layer is near 40, so the
+mixed_float16 loss is NaN from the first step. For "growing": `grow` multiplies its outputs by a
+gain that grows 30% with every applied update and `shrink` divides it out again; its values leave
+float16's range after about 25 updates, so mixed_float16 trains and then diverges.
 """
 
 import keras
@@ -18,6 +28,8 @@ from mixloop.config import base_config
 
 HOT_STDDEV = 3.5e4  # Kernel stddev of `hot`: its outputs on 8 unit-normal features have stddev ~1e5.
 FAINT_FACTOR = 1e-8  # Multiplies the faint model's loss, so its gradients are near 1e-9.
+SEQUENCE_LENGTH, READING_LEVEL = 2048, 40.0  # The reduction's axis and its values: sums near 82,000.
+GROWTH = 1.3  # The growing layer's gain per update: 1.3**25 * ~4 passes float16's 65504.
 
 
 class HotTrainer(mixloop.Trainer):
@@ -45,6 +57,75 @@ class HotTrainer(mixloop.Trainer):
         )
 
 
+@keras.saving.register_keras_serializable(package="hot_experiment")
+class SumThenDivide(keras.layers.Layer):
+    """The mean over axis 1, computed as its sum divided by the count: the sum holds the whole axis."""
+
+    def call(self, inputs):
+        return keras.ops.sum(inputs, axis=1) / keras.ops.cast(keras.ops.shape(inputs)[1], inputs.dtype)
+
+
+class ReductionTrainer(HotTrainer):
+    """Classifies sequences of 2,048 readings near 40 by their mean, pooled by a long-axis sum."""
+
+    def build_model(self):
+        inputs = keras.Input((SEQUENCE_LENGTH, 2))
+        x = SumThenDivide(name="pool")(inputs)
+        x = keras.layers.Dense(16, activation="relu", name="body")(x - READING_LEVEL)
+        return keras.Model(inputs, keras.layers.Dense(3, name="logits")(x))
+
+    def build_datasets(self):
+        rng = np.random.default_rng(0)
+        means = rng.normal(size=(256, 1, 2)).astype("float32")
+        readings = READING_LEVEL + means + rng.normal(size=(256, SEQUENCE_LENGTH, 2)).astype("float32")
+        labels = (means[:, 0, 0] > 0).astype("int32") + (means[:, 0, 1] > 0)
+        data = tf.data.Dataset.from_tensor_slices((readings, labels))
+        train = data.shuffle(256, seed=self.config.seed).repeat()
+        return train.batch(self.config.train.batch_size, drop_remainder=True), data.batch(64)
+
+
+@keras.saving.register_keras_serializable(package="hot_experiment")
+class Gain(keras.layers.Layer):
+    """Multiplies its inputs by gain ** exponent, where the gain grows by GROWTH with every training
+    call: two of them with exponents 1 and -1 grow in step, and the second undoes the first."""
+
+    def __init__(self, exponent=1, **kwargs):
+        super().__init__(**kwargs)
+        self.exponent = exponent
+
+    def build(self, input_shape):
+        self.gain = self.add_weight(shape=(), initializer="ones", trainable=False, autocast=False,
+                                    name="gain")
+
+    def call(self, inputs, training=False):
+        outputs = inputs * keras.ops.cast(self.gain**self.exponent, inputs.dtype)
+        if training:
+            self.gain.assign(self.gain * GROWTH)
+        return outputs
+
+    def get_config(self):
+        return {**super().get_config(), "exponent": self.exponent}
+
+
+class GrowingTrainer(HotTrainer):
+    """The hot task through a layer whose scale grows with training until float16 overflows."""
+
+    def build_model(self):
+        inputs = keras.Input((8,))
+        x = keras.layers.Dense(16, name="hidden")(inputs)
+        x = Gain(name="grow")(x)
+        x = Gain(exponent=-1, name="shrink")(x)
+        x = keras.layers.Dense(16, activation="relu", name="body")(x)
+        return keras.Model(inputs, keras.layers.Dense(3, name="logits")(x))
+
+    def build_datasets(self):
+        train, _ = super().build_datasets()
+        rng = np.random.default_rng(1)
+        features = rng.normal(size=(512, 8)).astype("float32")
+        labels = (features[:, 0] > 0).astype("int32") + (features[:, 1] > 0)
+        return train.repeat(), tf.data.Dataset.from_tensor_slices((features, labels)).batch(128)
+
+
 class FaintTrainer(HotTrainer):
     """The same task through an ordinary MLP, with a loss so small that its gradients are near 1e-9."""
 
@@ -70,6 +151,14 @@ def get_config(arg=None):
     if arg == "faint":
         config.trainer = "hot_experiment.FaintTrainer"
         config.precision.loss_scale = "none"  # Gradients as they are, unscaled.
+    elif arg == "reduction":
+        config.trainer = "hot_experiment.ReductionTrainer"
+    elif arg == "growing":
+        config.trainer = "hot_experiment.GrowingTrainer"
+        config.train.num_steps = 80
+        config.checkpoint.every_steps = 10  # A recent checkpoint for the heal to restore.
+        config.eval.every_steps = 0  # Only at the end.
     elif arg:
-        raise ValueError(f"unknown hot_experiment variant {arg!r}; expected 'faint' or none")
+        raise ValueError(f"unknown hot_experiment variant {arg!r}; expected 'faint', 'reduction', "
+                         "'growing' or none")
     return config

@@ -20,7 +20,7 @@ from mixloop.cli import import_trainer
 from mixloop.engine.objective import SINGLE
 from mixloop.errors import UserError
 from mixloop.tools import diagnose as diagnose_cli
-from mixloop.tools.precision_report import DtypeRange, diagnose, diagnose_objectives
+from mixloop.runner.precision_report import DtypeRange, diagnose, diagnose_objectives
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FLOAT16 = DtypeRange.of(tf.float16)

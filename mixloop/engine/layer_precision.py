@@ -22,7 +22,7 @@ import dataclasses
 import difflib
 import functools
 import re
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional, Sequence
 
 import keras
 
@@ -47,7 +47,9 @@ class Float32Layer:
     """A layer switched to float32 compute, and why."""
 
     path: str
-    reason: str  # "Softmax (default type)", "named logits" or "precision.float32_layers".
+    # "Softmax (default type)", "named logits", "precision.float32_layers" or, from the automatic
+    # placement, "the probe".
+    reason: str
 
 
 @contextlib.contextmanager
@@ -111,10 +113,31 @@ def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -
         raise ConfigError(_no_match_message(pattern, list(layers)))
     if not policy.is_mixed or policy.param_dtype.name != "float32":
         return []
+    return _switch_to_float32(model, policy, layers,
+                              lambda path, layer: _float32_reason(layer, path, matcher))
+
+
+def move_to_float32(model: keras.Model, policy: Policy, paths: Sequence[str],
+                    reason: str) -> list[Float32Layer]:
+    """Switches the layers at `paths`, with their sublayers, to float32 compute as
+    `keep_float32_layers` does, after the model was placed (the automatic placement's finds);
+    returns those switched, each with `reason`. Layers computing in float32 already, and paths
+    that name no layer, are left alone. Whatever traced the model must be traced again."""
+    wanted = set(paths)
+    return _switch_to_float32(
+        model, policy, named_layers(model),
+        lambda path, layer: reason if path in wanted and layer.compute_dtype != "float32" else None)
+
+
+def _switch_to_float32(model: keras.Model, policy: Policy, layers: dict[str, keras.layers.Layer],
+                       reason_of: Callable[[str, keras.layers.Layer], Optional[str]]
+                       ) -> list[Float32Layer]:
+    """Switches each of `layers` (by path, parents first) that `reason_of` gives a reason, and its
+    sublayers, to float32 compute; returns the switched ones that are not a sublayer of another."""
     kept: list[Float32Layer] = []
     inside_kept: set[str] = set()  # Paths of the kept layers whose sublayers follow them anyway.
     for path, layer in layers.items():
-        reason = _float32_reason(layer, path, matcher)
+        reason = reason_of(path, layer)
         parent_kept = any(path.startswith(prefix + "/") for prefix in inside_kept)
         if reason is None and not parent_kept:
             continue

@@ -146,6 +146,13 @@ class DynamicLossScale(LossScale):
             self.hysteresis, dtype=tf.int64, name="hysteresis_left", **replicated
         )
 
+    def start_at(self, scale: float) -> float:
+        """Sets the scale to `scale`, clipped into [min_scale, max_scale], before the first update
+        (the probe's advice for `precision.initial_scale=auto`); returns the scale set."""
+        clipped = min(max(float(scale), self.min_scale), self.max_scale)
+        self._scale.assign(clipped)
+        return clipped
+
     def update(self, grads_finite: tf.Tensor) -> None:
         """Applies one step of the algorithm in the class docstring, branch-free (XLA-friendly)."""
         finite = tf.convert_to_tensor(grads_finite, dtype=tf.bool)

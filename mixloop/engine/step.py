@@ -148,7 +148,13 @@ class TrainStep:
                 keras_adapter.leave_gradients_summed(objective.optimizer)
             if jit_compile:
                 raise ValueError("jit_compile=True is not supported with more than one replica yet")
-        self._compiled = tf.function(self.step, jit_compile=jit_compile)
+        self.jit_compile = jit_compile
+        self.recompile()
+
+    def recompile(self) -> None:
+        """Forgets the traced step, so the next call traces it anew: after a layer's dtype policy
+        changed (the automatic placement moving a layer to float32), as tracing reads it."""
+        self._compiled = tf.function(self.step, jit_compile=self.jit_compile)
 
     def __call__(self, batch: Batch) -> dict[str, Any]:
         """Runs the compiled step on one global batch.

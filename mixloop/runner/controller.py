@@ -54,8 +54,8 @@ class Runnable(Protocol):
     def actions(self) -> list:
         """The subclass's `Action`s."""
 
-    def export(self) -> str:
-        """Writes the float32 inference model; returns its path."""
+    def export(self) -> Optional[str]:
+        """Writes the float32 inference model; returns its path (None when Keras cannot save it)."""
 
     def restore(self) -> Optional[str]:
         """Restores the latest checkpoint of the workdir, if any."""
@@ -71,6 +71,12 @@ class Runnable(Protocol):
 
     def nonfinite_variable_paths(self, objective: str) -> list[str]:
         """The variables behind an objective's latest streak of skipped updates."""
+
+    def start_precision(self) -> None:
+        """The automatic precision settings, from a probe of the weights, before the first update."""
+
+    def heal(self) -> str:
+        """Moves the layers a probe finds overflowing to float32; what moved, or ''."""
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -127,6 +133,7 @@ def train(trainer: Runnable) -> dict[str, float]:
     with workdir.WorkdirLock(lock_directory), _StopRequest() as stop:
         if trainer.is_chief:
             workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
+        trainer.start_precision()  # From the restored weights, before the first trace.
         metrics, reason = _run_loops(trainer, actions, stop)
         step = int(trainer.global_step.numpy())
         _save(trainer, step)
@@ -164,7 +171,7 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[di
         logging.info("Already trained to step %d of %d; nothing to do.", step, num_steps)
     metrics: dict[str, float] = {}
     interval = reporting.Interval(step, trainer.state.skipped_totals())
-    recoveries, logged_first_skips = 0, set()
+    recoveries, heals, logged_first_skips = 0, 0, set()
     compiled = False  # The first loop traces and compiles: one update, timed apart.
     while stop.signal_number is None:
         if step >= last_step:
@@ -193,7 +200,8 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[di
             if recoveries >= config.train.max_recoveries:
                 raise guard.TrainingDiverged(diverged)  # Before any save: no bad checkpoint.
             recoveries += 1
-            _recover(trainer, diverged, recoveries)
+            heals += _recover(trainer, diverged, recoveries, bool(totals["last_inputs_finite"]))
+            writer.write("train", step, {"recoveries": recoveries, "heals": heals})
             step = int(trainer.global_step.numpy())
             interval = reporting.Interval(step, trainer.state.skipped_totals())
             continue
@@ -292,14 +300,20 @@ def _divergence_message(trainer: Runnable, reason: int, objective: str, totals: 
     return f"{message}; last good checkpoint: {last_good or 'none yet'}"
 
 
-def _recover(trainer: Runnable, message: str, recoveries: int) -> None:
-    """Restores the last good checkpoint (the data keeps moving forward) and goes on."""
+def _recover(trainer: Runnable, message: str, recoveries: int, inputs_finite: bool) -> int:
+    """Restores the last good checkpoint (the data keeps moving forward) and goes on; with
+    `precision.heal` and finite inputs, first moves the layers a probe of the diverged weights finds
+    overflowing to float32. Returns 1 for a heal, 0 otherwise."""
     path = tf.train.latest_checkpoint(trainer.resume_directory())
     if path is None:
         raise guard.TrainingDiverged(message)
-    logging.warning("Recovery %d of %d: %s. Restoring %s and continuing with later data.",
-                    recoveries, trainer.config.train.max_recoveries, message, path)
+    healed = trainer.heal() if trainer.config.precision.heal and inputs_finite else ""
+    logging.warning("%s %d of %d: %s. %sRestoring %s and continuing with later data.",
+                    "Heal (recovery)" if healed else "Recovery", recoveries,
+                    trainer.config.train.max_recoveries, message,
+                    f"Healing: {healed}. " if healed else "", path)
     trainer.restore_weights(path)
+    return 1 if healed else 0
 
 
 def _log_first_skips(trainer: Runnable, interval: reporting.Interval, logged: set) -> None:

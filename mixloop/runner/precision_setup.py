@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_collections
 import tensorflow as tf
 
-from mixloop.config import ConfigError, parse_loss_scale
+from mixloop.config import AUTO, DEFAULT_INITIAL_SCALE, ConfigError, parse_loss_scale
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, LossScale
 from mixloop.engine.policy import Policy
 
@@ -42,13 +42,15 @@ def make_loss_scale(config: ml_collections.ConfigDict, policy: Policy) -> LossSc
     float32's exponent range, so their gradients neither underflow nor overflow earlier.
     """
     kind = parse_loss_scale(config.loss_scale)
+    # "auto" starts at the default until the probe sets it (`auto_precision.start_loss_scales`).
+    initial_scale = DEFAULT_INITIAL_SCALE if config.initial_scale == AUTO else config.initial_scale
     if kind == "none" or (kind == "dynamic" and policy.compute_dtype != tf.float16):
         return NoLossScale()
     if kind != "dynamic":
         return StaticLossScale(kind)
     try:
         return DynamicLossScale(
-            initial_scale=config.initial_scale,
+            initial_scale=initial_scale,
             growth_interval=config.growth_interval,
             growth_factor=config.growth_factor,
             backoff_factor=config.backoff_factor,

@@ -56,7 +56,7 @@ def format_duration(seconds: float) -> str:
 # The train scalars the framework writes itself (per objective as `<tag>/<objective>` when there are
 # several); a train metric of the same name is refused.
 BUILT_IN_TRAIN_TAGS = ("loss", "loss_scale", "learning_rate", "grad_norm", "skipped_steps",
-                       "skipped_total", "steps_per_sec", "examples_per_sec")
+                       "skipped_total", "steps_per_sec", "examples_per_sec", "recoveries", "heals")
 _SPEED_TAGS = ("steps_per_sec", "examples_per_sec")
 
 

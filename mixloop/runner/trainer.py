@@ -18,14 +18,14 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mixloop.config import ConfigError
+from mixloop.config import ConfigError, split_auto
 from mixloop.engine import layer_precision
 from mixloop.engine.loss import as_losses
 from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
 from mixloop.engine.step import Batch, TrainStep, default_input_fn, forward, masked_paths
 from mixloop.errors import UserError
-from mixloop.runner import (checkpointing, controller, distribution, exporting, guard, optimizers,
-                            precision_setup, reporting, train_data)
+from mixloop.runner import (auto_precision, checkpointing, controller, distribution, exporting, guard,
+                            optimizers, precision_setup, reporting, train_data)
 from mixloop.runner.actions import Action
 from mixloop.runner.state import RunState
 
@@ -52,7 +52,7 @@ class Trainer:
             with layer_precision.building_under(self.policy):
                 self.model = self.build_model()
             placement = layer_precision.keep_float32_layers(
-                self.model, self.policy, config.precision.float32_layers)
+                self.model, self.policy, split_auto(config.precision.float32_layers)[1])
             logging.info("%s", layer_precision.describe_placement(placement, self.policy))
             self.objectives = with_loss_scales(
                 self.build_objectives(),
@@ -68,6 +68,7 @@ class Trainer:
                 input_fn=self.model_inputs,
                 ema_decay=config.train.ema_decay,
             )
+            self.compile_loops()
             _check_objective_variables(self.objectives, self.model)
             self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
             # Before the data and the first trace, so compute_loss and build_datasets may read it.
@@ -160,12 +161,29 @@ class Trainer:
 
     def train_loop(self, num_steps: int) -> dict[str, Any]:
         """Runs up to `num_steps` updates in one compiled call; returns the loop's totals as NumPy
-        values (see `_train_loop`). The controller calls this; a TensorFlow op error propagates."""
+        values (see `_inner_loop`). The controller calls this; a TensorFlow op error propagates."""
         totals = self._train_loop(self.train_iterator, tf.constant(num_steps))
         return tf.nest.map_structure(lambda value: value.numpy(), totals)
 
-    @tf.function
-    def _train_loop(self, iterator, num_steps: tf.Tensor) -> dict[str, Any]:
+    def compile_loops(self) -> None:
+        """Makes the compiled inner loop, train step and eval step anew: they trace on their next
+        call. After a layer moved to float32 (healing), as tracing reads the layers' dtypes."""
+        self.train_step.recompile()
+        self._train_loop = tf.function(self._inner_loop)
+        self._eval_step = tf.function(self._eval_batch)
+
+    def start_precision(self) -> None:
+        """Applies `precision.float32_layers=auto` and `initial_scale=auto` from a probe of the
+        current weights (`auto_precision.start`); the controller calls it after restoring, before
+        the first update. Does nothing unless the config asks for it."""
+        auto_precision.start(self)
+
+    def heal(self) -> str:
+        """Moves to float32 the layers a probe of the current weights finds overflowing, retracing
+        the loops (`auto_precision.heal`); returns what moved, '' for nothing."""
+        return auto_precision.heal(self)
+
+    def _inner_loop(self, iterator, num_steps: tf.Tensor) -> dict[str, Any]:
         """The inner loop: up to `num_steps` train steps in one graph, returning sums for reporting.
 
         Per objective it sums the losses, norms and metrics (`reporting.add_update`) and asks the
@@ -197,8 +215,7 @@ class Trainer:
                                     guard.min_scale(self.objectives[name].loss_scale))}
         return {"objectives": objectives, "last_inputs_finite": metrics["inputs_finite"]}
 
-    @tf.function
-    def _eval_step(self, batch: Batch) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+    def _eval_batch(self, batch: Batch) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
         """One eval batch's metrics and its number of examples."""
         outputs = forward(self.model, self.policy, self.model_inputs(batch), training=False)
         metrics = {name: tf.cast(value, tf.float32)
@@ -279,9 +296,10 @@ class Trainer:
         return masked_paths(self.objectives[objective].variables,
                             self.state.skips[objective].first_nonfinite)
 
-    def export(self) -> str:
+    def export(self) -> Optional[str]:
         """Saves the model in float32 (with the EMA weights when `config.train.ema_decay` is set)
-        as `workdir/model.keras` for inference; returns the path.
+        as `workdir/model.keras` for inference; returns the path, or None (with a warning naming
+        the reason) when Keras cannot save one of its layers, e.g. one without a `get_config`.
 
         Logs the code that loads it (`exporting.loading_code`: plain `keras.models.load_model` for a
         model of Keras and keras-hub classes, after importing the modules of any others), and warns
@@ -292,7 +310,12 @@ class Trainer:
         with self.ema_weights():
             export_model.set_weights(self.model.get_weights())
         path = os.path.join(self.workdir, "model.keras")
-        export_model.save(path)
+        try:
+            export_model.save(path)
+        except (NotImplementedError, TypeError, ValueError) as error:  # A layer Keras cannot save.
+            logging.warning("Could not export the model (the checkpoints hold the trained weights): "
+                            "%s: %s", type(error).__name__, _first_line(error))
+            return None
         classes = exporting.custom_classes(path)
         logging.info("Exported the float32 model to %s; load it with: %s", path,
                      exporting.loading_code(path, classes))
@@ -325,16 +348,16 @@ class Trainer:
                                         batch_size=self.config.train.batch_size)
 
     def num_train_batches(self) -> Optional[int]:
-        """Batches in one pass over the train data, or None when it repeats.
+        """Batches in one pass over the train data, or None when it repeats (by config, or as built).
 
         Counted once by reading the data when tf.data does not know its length.
 
         Raises:
           UserError: when reading the data fails (a generator that raises, a missing file).
         """
-        if self.config.train.repeat_dataset:
-            return None
         cardinality = int(self._train_data.cardinality())
+        if self.config.train.repeat_dataset or cardinality == tf.data.INFINITE_CARDINALITY:
+            return None
         if cardinality >= 0:
             return cardinality
         with reporting.announced("Counting the train batches (tf.data does not know how many the "
@@ -358,6 +381,11 @@ class Trainer:
     def resume_directory(self) -> str:
         """The checkpoints every process resumes from: the chief's."""
         return os.path.join(self.workdir, "checkpoints")
+
+
+def _first_line(error: Exception) -> str:
+    """The first non-empty line of an exception's message (Keras's run over many lines)."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
 
 
 def _check_objective_variables(objectives: dict[str, Objective], model: keras.Model) -> None:

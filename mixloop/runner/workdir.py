@@ -113,12 +113,20 @@ def config_changes(old: dict, new: dict) -> list[str]:
             for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]
 
 
+# config.json's record of what the `auto` settings chose (`record_resolved`); not part of the config.
+RESOLVED = "resolved"
+
+
 def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -> None:
-    """Writes `config.json`; a different earlier one is kept as `config-step-<step>.json`."""
+    """Writes `config.json`; a different earlier one is kept as `config-step-<step>.json`.
+
+    An unchanged config leaves the file as it is, with its `resolved` record.
+    """
     path = os.path.join(directory, "config.json")
     new = json.loads(config.to_json_best_effort())
     if os.path.exists(path):
         old = _read_config(path)
+        old.pop(RESOLVED, None)
         changes = config_changes(old, new)
         if not changes:
             return
@@ -128,8 +136,29 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
             n += 1
             kept = os.path.join(directory, f"config-step-{step}-{n}.json")
         os.replace(path, kept)
-    with open(path + ".tmp", "w") as f:  # Written whole, then renamed: a kill leaves no half file.
-        json.dump(new, f, indent=2, sort_keys=True)
+    _write_json(path, new)
+
+
+def read_resolved(directory: str) -> dict[str, Any]:
+    """The `resolved` record of `config.json` ({} when there is none)."""
+    path = os.path.join(directory, "config.json")
+    return _read_config(path).get(RESOLVED, {}) if os.path.exists(path) else {}
+
+
+def record_resolved(directory: str, resolved: dict[str, Any]) -> None:
+    """Adds `resolved` (config key -> the value an `auto` setting chose, e.g.
+    {"precision.float32_layers": "hot|squash"}) to `config.json`'s record, which `write_config`
+    wrote: the config history says what ran, not only what was asked for."""
+    path = os.path.join(directory, "config.json")
+    config = _read_config(path)
+    config[RESOLVED] = {**config.get(RESOLVED, {}), **resolved}
+    _write_json(path, config)
+
+
+def _write_json(path: str, value: Any) -> None:
+    """Writes `value` whole, then renames it into place: a kill leaves no half file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(path + ".tmp", path)
 

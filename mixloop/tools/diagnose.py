@@ -3,7 +3,7 @@
 
 Builds the experiment's Trainer as `mixloop.train` does, restores the workdir's latest checkpoint if
 there is one (and writes nothing there), diagnoses each of its objectives (or only --objective) on
-the same next N train batches with `mixloop.precision_report`, and prints one report per objective.
+the same next N train batches with `mixloop.runner.precision_report`, and prints one report per objective.
 With --output it also writes, into that directory (with several objectives, into its subdirectory
 named for the objective), `report.json`, TensorBoard histograms of the gradients' log2 magnitudes,
 and `gradient_histogram.png` (when matplotlib is installed: `pip install -e '.[plot]'`). Any problem
@@ -12,13 +12,12 @@ with the input is one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shlex
 import sys
 import textwrap
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -26,8 +25,9 @@ from absl import flags, logging
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 
 from mixloop import cli
-from mixloop.tools.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, NOISE_SCALE,
-                                            DtypeRange, PrecisionReport, diagnose_objectives)
+from mixloop.runner.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, NOISE_SCALE,
+                                             DtypeRange, PrecisionReport, diagnose_objectives,
+                                             write_json)
 
 _STEPS = flags.DEFINE_integer("steps", 4, "Train batches to diagnose.", lower_bound=1)
 _OUTPUT = flags.DEFINE_string(
@@ -219,24 +219,6 @@ def write_outputs(report: PrecisionReport, directory: str) -> list[str]:
     if write_histogram_png(report, png):
         paths.append(png)
     return paths
-
-
-def write_json(report: PrecisionReport, path: str) -> str:
-    """The report as strict JSON; non-finite numbers become the strings "inf", "-inf" and "nan"."""
-    with open(path, "w") as f:
-        json.dump(_strict_json(report.as_dict()), f, indent=2, allow_nan=False)
-        f.write("\n")
-    return path
-
-
-def _strict_json(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(key): _strict_json(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_strict_json(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
 
 
 def write_tensorboard(report: PrecisionReport, directory: str) -> str:

@@ -56,9 +56,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import math
 import re
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import keras
 import ml_collections
@@ -255,7 +256,20 @@ def diagnose_objectives(trainer, objectives: Sequence[str], num_batches: int = 4
       UserError, ValueError: as `diagnose`.
     """
     _check_diagnosable(trainer, objectives, num_batches, loss_scale)
-    batches = list(itertools.islice(trainer.train_iterator, num_batches))
+    return diagnose_batches(trainer, objectives, itertools.islice(trainer.train_iterator, num_batches),
+                            loss_scale)
+
+
+def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
+                     loss_scale: Optional[float] = None) -> list[PrecisionReport]:
+    """`diagnose_objectives` on the given train `batches` (global batches, as the train data yields
+    them) instead of the run's next ones: the automatic placement reads its own iterator.
+
+    Raises:
+      UserError, ValueError: as `diagnose`, and UserError when `batches` is empty.
+    """
+    _check_diagnosable(trainer, objectives, 1, loss_scale)
+    batches = list(batches)
     if not batches:
         raise UserError("the train data has no batches left to diagnose")
     micro_batches = [micro_batch for batch in batches
@@ -320,6 +334,24 @@ def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batche
         gradient_overflow_fraction=fractions[2], layers=layers, variables=variables,
         advice=_advise(layers, variables, fractions, scale, policy, trainer.config.precision, whose),
     )
+
+
+def write_json(report: PrecisionReport, path: str) -> str:
+    """The report as strict JSON; non-finite numbers become the strings "inf", "-inf" and "nan"."""
+    with open(path, "w") as f:
+        json.dump(_strict_json(report.as_dict()), f, indent=2, allow_nan=False)
+        f.write("\n")
+    return path
+
+
+def _strict_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(key): _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_strict_json(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 # ----- Measuring: two passes per micro-batch, summed into tallies. -----
@@ -656,11 +688,8 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
     kept_variables = [v for v in low_variables if not _is_under(v.path, hot_paths)]
     largest_grad = _largest_gradient(kept_layers, kept_variables)
     initial_scale = zero_fraction = None
-    if policy.compute_dtype == tf.float16 and largest_grad > 0:
-        float16 = DtypeRange.of(tf.float16)
-        log2_scale = float16.safe_log2_scale(largest_grad, MARGIN_BITS)
-        initial_scale = 2.0**log2_scale
-        zero_fraction = float16.zero_fraction(_sum_histograms(kept_variables), log2_scale)
+    if policy.compute_dtype == tf.float16:
+        initial_scale, zero_fraction = _float16_initial_scale(kept_layers, kept_variables)
 
     bfloat16 = DtypeRange.of(tf.bfloat16)
     largest_value = max([layer.max_abs for layer in low_layers]
@@ -680,6 +709,28 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
     )
 
 
+def initial_scale_keeping(report: PrecisionReport, float32_paths: Sequence[str]) -> Optional[float]:
+    """The advised float16 initial scale once the layers at `float32_paths` (with their sublayers)
+    compute in float32 too: the module docstring's rule over the gradients left in float16; None
+    when none is left. `report.advice.initial_scale` is this for the advised layers."""
+    kept_layers = [layer for layer in report.layers
+                   if layer.compute_dtype == "float16" and not _is_under(layer.path, float32_paths)]
+    kept_variables = [v for v in report.variables
+                      if v.dtype == "float16" and not _is_under(v.path, float32_paths)]
+    return _float16_initial_scale(kept_layers, kept_variables)[0]
+
+
+def _float16_initial_scale(layers: list, variables: list) -> tuple[Optional[float], Optional[float]]:
+    """The initial scale the float16 gradients of `layers` and `variables` (left in 16 bits) advise,
+    and the fraction of those variables' gradients that flush to zero at it; Nones without any."""
+    largest_grad = _largest_gradient(layers, variables)
+    if not largest_grad > 0:
+        return None, None
+    float16 = DtypeRange.of(tf.float16)
+    log2_scale = float16.safe_log2_scale(largest_grad, MARGIN_BITS)
+    return 2.0**log2_scale, float16.zero_fraction(_sum_histograms(variables), log2_scale)
+
+
 def _largest_gradient(layers: list, variables: list) -> float:
     """The largest unscaled float32 gradient of any of `variables` or of the outputs of `layers`
     (reports or tallies, which name these values alike)."""
@@ -691,7 +742,7 @@ def _problems(layers: list[LayerReport], hot: list[LayerReport], fractions: list
     problems = [f"{layer.path}: {layer.float32_non_finite_outputs} outputs are inf or NaN even in "
                 "float32, which no precision setting fixes" for layer in layers
                 if layer.float32_non_finite_outputs]
-    problems += [_hot_layer_problem(layer) for layer in hot]
+    problems += [hot_layer_problem(layer) for layer in hot]
     zero_fraction, _, overflow_fraction = fractions
     if zero_fraction > UNDERFLOW_TOLERANCE:
         problems.append(f"{whose}gradients underflow at loss scale {scale:g}: {zero_fraction:.1%} of "
@@ -702,7 +753,8 @@ def _problems(layers: list[LayerReport], hot: list[LayerReport], fractions: list
     return problems
 
 
-def _hot_layer_problem(layer: LayerReport) -> str:
+def hot_layer_problem(layer: LayerReport) -> str:
+    """Why the doctor keeps `layer` in float32: '<path> (<dtype>): values up to ... exceed ...'."""
     largest = DtypeRange.of(layer.compute_dtype).max_finite
     limit = f"{layer.compute_dtype}'s largest finite value, {largest:g}"
     reasons = []

@@ -1,0 +1,214 @@
+"""Mixed precision that places itself: `precision.float32_layers=auto`, `initial_scale=auto`, `heal`.
+
+The probe is the precision doctor (`precision_report.diagnose_batches`) on `precision.probe_batches`
+train batches from the current weights; what it advises is applied instead of printed::
+
+    start (before the first trace; on resume from the restored weights), `start`:
+        move back to float32 the layers config.json's `resolved` record names (earlier probes' finds)
+        probe batches from an iterator of the probe's own (the run's data position does not move)
+        float32_layers=auto: move to float32 the 16-bit layers the doctor advises, those whose
+            values come within MARGIN_BITS doublings of their dtype's largest finite value or that
+            turn finite inputs into inf or NaN, with their sublayers
+        initial_scale=auto, fresh run: start each dynamic loss scale at the doctor's rule, the
+            largest power of two that leaves the probed gradients left in float16 MARGIN_BITS
+            doublings below 65504 (clipped into [min_scale, max_scale])
+        log a line each; record the regex and scale in config.json (`resolved`), the doctor's
+            report in precision/report-step-N.json
+    divergence with finite inputs (`precision.heal`; the controller then restores the last good
+    checkpoint), `heal`:
+        probe the weights the run diverged at on the run's next batches: the skipped updates left
+            those weights finite, and they are the ones that overflowed (a last checkpoint long
+            before may not yet come near the limit); a recovery moves on to later data anyway
+        move the newly advised layers to float32, trace the loops anew, record as above
+
+Bad data is not healed (the controller asks only with finite inputs). The probe runs eagerly on one
+device, so a run with several replicas is refused: pin the regex a one-device run found.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import tensorflow as tf
+from absl import logging
+
+from mixloop.config import AUTO, ConfigError, split_auto
+from mixloop.engine import layer_precision
+from mixloop.engine.loss_scale import DynamicLossScale
+from mixloop.errors import UserError
+from mixloop.runner import controller, precision_report, workdir
+from mixloop.runner.precision_report import MARGIN_BITS, DtypeRange, PrecisionReport
+
+REASON = "the probe"  # The `Float32Layer.reason` of the layers moved here.
+FLOAT32_KEY, SCALE_KEY = "precision.float32_layers", "precision.initial_scale"
+
+
+def is_wanted(precision: Any) -> bool:
+    """Whether `config.precision` asks for any of this module's work."""
+    return split_auto(precision.float32_layers)[0] or precision.initial_scale == AUTO or precision.heal
+
+
+def start(trainer) -> None:
+    """Places the layers and starts the loss scales as `config.precision` asks, before the first
+    trace (the module docstring's start); does nothing unless `is_wanted`.
+
+    Raises:
+      ConfigError: with several replicas.
+      UserError: when the probe's batches cannot be read or the probe fails.
+    """
+    precision = trainer.config.precision
+    if not is_wanted(precision):
+        return
+    if not trainer.policy.is_mixed:
+        logging.info("Automatic precision: nothing to place or scale, the policy computes in %s",
+                     trainer.policy.compute_dtype.name)
+        return
+    _check_one_replica(trainer)
+    auto_layers, explicit = split_auto(precision.float32_layers)
+    recorded = workdir.read_resolved(trainer.workdir).get(FLOAT32_KEY, "")
+    paths = [layer.path for layer in _move(trainer, _matching_paths(trainer, recorded))]
+    if paths:
+        logging.info("Automatic precision: %s compute in float32, as config.json records "
+                     "(precision.float32_layers=%r)", ", ".join(paths), recorded)
+    auto_scale, fresh = precision.initial_scale == AUTO, int(trainer.global_step.numpy()) == 0
+    if not (auto_layers or (auto_scale and fresh)):
+        return  # Healing only: the probe waits for a divergence.
+    started = time.perf_counter()
+    reports = _probe(trainer, itertools.islice(trainer.make_train_iterator(0),
+                                               precision.probe_batches))
+    found = [] if not auto_layers else _move(trainer, reports[0].advice.float32_layers)
+    seconds = time.perf_counter() - started
+    pinned = pinned_regex(recorded or explicit, [layer.path for layer in found])
+    if auto_layers:
+        logging.info("precision.float32_layers=auto: %s",
+                     _placement_sentence(reports[0], found, pinned, seconds))
+    resolved = {FLOAT32_KEY: pinned} if auto_layers else {}
+    if auto_scale and fresh:
+        resolved[SCALE_KEY] = _start_loss_scales(trainer, reports, [l.path for l in found])
+    _record(trainer, resolved, reports)
+
+
+def heal(trainer) -> str:
+    """Probes the weights the run diverged at on its next train batches and moves the layers found
+    to float32, tracing the loops anew (the module docstring's divergence); returns a sentence
+    saying what moved, '' when the probe found nothing new or no batch was left."""
+    precision = trainer.config.precision
+    started = time.perf_counter()
+    try:
+        reports = _probe(trainer, itertools.islice(trainer.train_iterator, precision.probe_batches))
+    except UserError as error:  # No batch left: the recovery ends the run at the end of the data.
+        logging.warning("The healing probe could not run: %s", error)
+        return ""
+    found = _move(trainer, reports[0].advice.float32_layers)
+    if not found:
+        return ""
+    trainer.compile_loops()
+    recorded = workdir.read_resolved(trainer.workdir).get(FLOAT32_KEY) if trainer.is_chief else None
+    pinned = pinned_regex(recorded or split_auto(precision.float32_layers)[1],
+                          [layer.path for layer in found])
+    _record(trainer, {FLOAT32_KEY: pinned}, reports)
+    return _placement_sentence(reports[0], found, pinned, time.perf_counter() - started)
+
+
+def pinned_regex(base: str, paths: Sequence[str]) -> str:
+    """The `precision.float32_layers` regex that pins a placement: `base` (a regex) or the `paths`."""
+    return "|".join(([base] if base else []) + [re.escape(path) for path in paths])
+
+
+# ----- Private helpers. -----
+
+
+def _check_one_replica(trainer) -> None:
+    replicas = trainer.strategy.num_replicas_in_sync
+    if replicas > 1:
+        raise ConfigError(
+            f"the automatic precision settings (precision.float32_layers=auto, initial_scale=auto, "
+            f"heal) probe on one device, but config.distribution={trainer.config.distribution!r} "
+            f"gives {replicas} replicas; run once with --config.distribution=one_device and pin "
+            "the regex and scale it logs")
+
+
+def _probe(trainer, batches: Iterable[Any]) -> list[PrecisionReport]:
+    """The doctor's reports on `batches`, one per objective, at the current weights.
+
+    Raises:
+      UserError: when reading the batches or running the model on them fails, or there are none.
+    """
+    try:
+        return precision_report.diagnose_batches(trainer, list(trainer.objectives), batches)
+    except tf.errors.OpError as error:
+        raise UserError(f"the precision probe failed on the train batches: "
+                        f"{controller.op_error_summary(error)}") from None
+
+
+def _matching_paths(trainer, regex: str) -> list[str]:
+    if not regex:
+        return []
+    matcher = re.compile(regex)
+    return [path for path in layer_precision.named_layers(trainer.model) if matcher.fullmatch(path)]
+
+
+def _move(trainer, paths: Sequence[str]) -> list[layer_precision.Float32Layer]:
+    """Moves the 16-bit layers at `paths` to float32 (before any trace, or followed by one)."""
+    return layer_precision.move_to_float32(trainer.model, trainer.policy, paths, REASON)
+
+
+def _placement_sentence(report: PrecisionReport, found: list, pinned: str, seconds: float) -> str:
+    """'probed N train batches in S s: <evidence per layer>; they compute in float32 (pin: ...)', or
+    that nothing needed moving and how close the largest 16-bit value came."""
+    probed = f"probed {report.num_batches} train batches in {seconds:.1f} s"
+    layers = {layer.path: layer for layer in report.layers}
+    if found:
+        evidence = "; ".join(precision_report.hot_layer_problem(layers[layer.path])
+                             for layer in found)
+        return (f"{probed}: {evidence}; moved to float32 (to pin this placement: "
+                f"--config.precision.float32_layers='{pinned}')")
+    low = [layer for layer in report.layers if layer.compute_dtype != "float32"]
+    closest = min(low, key=lambda layer: layer.headroom_bits, default=None)
+    if closest is None:
+        return f"{probed}: no layer computes in 16 bits; default placement kept"
+    return (f"{probed}: no layer to move; every 16-bit value stays {MARGIN_BITS} or more doublings "
+            f"below its dtype's largest (closest: {closest.path}, values up to "
+            f"{closest.max_abs:.3g}, {closest.headroom_bits:.1f} doublings); default placement kept")
+
+
+def _start_loss_scales(trainer, reports: list[PrecisionReport],
+                       moved: list[str]) -> Optional[Any]:
+    """Starts each objective's dynamic loss scale at the doctor's rule, given the layers `moved` to
+    float32; logs one line per objective; returns the scale (a dict of them with several
+    objectives), or None when no objective has a dynamic scale in float16."""
+    chosen = {}
+    for report in reports:
+        loss_scale = trainer.objectives[report.objective].loss_scale
+        whose = f" (objective {report.objective!r})" if len(reports) > 1 else ""
+        advised = precision_report.initial_scale_keeping(report, moved)
+        if not isinstance(loss_scale, DynamicLossScale) or advised is None:
+            logging.info("precision.initial_scale=auto%s: no dynamic loss scale over float16 "
+                         "gradients to start", whose)
+            continue
+        scale = loss_scale.start_at(advised)
+        clipped = "" if scale == advised else f", clipped from {advised:g} into [min_scale, max_scale]"
+        logging.info("precision.initial_scale=auto%s: the loss scale starts at %g%s (the largest "
+                     "probed gradient left in float16 stays %d doublings below %g)", whose, scale,
+                     clipped, MARGIN_BITS, DtypeRange.of(tf.float16).max_finite)
+        chosen[report.objective] = scale
+    if not chosen:
+        return None
+    return chosen if len(reports) > 1 else next(iter(chosen.values()))
+
+
+def _record(trainer, resolved: dict[str, Any], reports: list[PrecisionReport]) -> None:
+    """Writes `resolved` into config.json's record and the doctor's reports into precision/."""
+    if not trainer.is_chief:
+        return
+    workdir.record_resolved(trainer.workdir, {k: v for k, v in resolved.items() if v is not None})
+    directory = os.path.join(trainer.workdir, "precision")
+    os.makedirs(directory, exist_ok=True)
+    for report in reports:
+        suffix = f"-{report.objective}" if len(reports) > 1 else ""
+        precision_report.write_json(report, os.path.join(
+            directory, f"report-step-{report.step}{suffix}.json"))
