@@ -58,7 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Regex of layer paths that also compute in float32; "auto" (or "auto|REGEX") adds the layers a probe
     # of the first train batches finds overflowing 16 bits (and on resume, the ones recorded).
     config.precision.float32_layers = ""
-    config.precision.probe_batches = 4  # Train batches the automatic placement and healing probe.
+    config.precision.probe_batches = 2  # Train batches the automatic placement and healing probe.
     # On a divergence in 16 bits with finite inputs, probe, move the layers found to float32, restore
     # the last checkpoint and go on; each heal counts against train.max_recoveries.
     config.precision.heal = False

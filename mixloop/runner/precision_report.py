@@ -261,9 +261,12 @@ def diagnose_objectives(trainer, objectives: Sequence[str], num_batches: int = 4
 
 
 def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
-                     loss_scale: Optional[float] = None) -> list[PrecisionReport]:
+                     loss_scale: Optional[float] = None,
+                     relative_errors: bool = True) -> list[PrecisionReport]:
     """`diagnose_objectives` on the given train `batches` (global batches, as the train data yields
-    them) instead of the run's next ones: the automatic placement reads its own iterator.
+    them) instead of the run's next ones: the automatic placement reads its own iterator. Without
+    `relative_errors` the float32 pass is not repeated at NOISE_SCALE, a third less work, and every
+    rel.err is None (the advice does not read them).
 
     Raises:
       UserError, ValueError: as `diagnose`, and UserError when `batches` is empty.
@@ -275,8 +278,8 @@ def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
     micro_batches = [micro_batch for batch in batches
                      for micro_batch in _micro_batches(batch, trainer.train_step.accumulation_steps)]
     twin = build_model(trainer.build_model, Policy.from_string("float32"))
-    return [_diagnose_objective(trainer, name, twin, micro_batches, len(batches), loss_scale)
-            for name in objectives]
+    return [_diagnose_objective(trainer, name, twin, micro_batches, len(batches), loss_scale,
+                                relative_errors) for name in objectives]
 
 
 def _check_diagnosable(trainer, objectives: Sequence[str], num_batches: int,
@@ -304,7 +307,8 @@ def _check_diagnosable(trainer, objectives: Sequence[str], num_batches: int,
 
 
 def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batches: list,
-                        num_batches: int, loss_scale: Optional[float]) -> PrecisionReport:
+                        num_batches: int, loss_scale: Optional[float],
+                        relative_errors: bool) -> PrecisionReport:
     """The report on `objective`, from passes over `micro_batches` (read from `num_batches` batches)."""
     policy, model = trainer.policy, trainer.model
     scale = float(trainer.objectives[objective].loss_scale.scale.numpy() if loss_scale is None
@@ -313,7 +317,8 @@ def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batche
     # All variables, not get_weights(), which leaves out seed generators' states.
     _assign(twin.variables, saved)
     try:
-        layers, variables, comparison_scale = _measure(trainer, objective, twin, micro_batches, scale)
+        layers, variables, comparison_scale = _measure(trainer, objective, twin, micro_batches, scale,
+                                                       relative_errors)
     finally:
         # The forward passes ran in training mode, which moves e.g. BatchNorm statistics.
         _assign(model.variables, saved)
@@ -381,8 +386,8 @@ class _Net:
     variables: list
 
 
-def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list,
-             scale: float) -> tuple[list[LayerReport], list[VariableReport], float]:
+def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, scale: float,
+             relative_errors: bool) -> tuple[list[LayerReport], list[VariableReport], float]:
     """Runs the float32 passes over every micro-batch, then the mixed pass at the comparison scale
     their gradients give; returns the layer reports, the variable reports of `objective` and that
     scale."""
@@ -397,7 +402,8 @@ def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list,
     float32_net = _Net(twin, Policy.from_string("float32"), list(named_layers(twin).values()),
                        _twin_variables(model, twin, variables))
     order, float32_grads, states = _measure_float32(trainer, objective, float32_net, micro_batches,
-                                                    scale, layer_tallies, variable_tallies)
+                                                    scale, layer_tallies, variable_tallies,
+                                                    relative_errors)
     layers = [layer_tallies[i] for i in order]
     comparison_scale = _comparison_scale(scale, layers, variable_tallies, policy.compute_dtype)
     mixed_net = _Net(model, policy, [layer for _, layer in model_layers], variables)
@@ -420,22 +426,23 @@ def _twin_variables(model: keras.Model, twin: keras.Model, variables: list) -> l
 
 
 def _measure_float32(trainer, objective: str, net: _Net, micro_batches: list, scale: float,
-                     layer_tallies: dict[int, _LayerTally], variable_tallies: list[_VariableTally]
-                     ) -> tuple[list[int], list[list[np.ndarray]], list[list[np.ndarray]]]:
-    """Runs the float32 pass of `net` over every micro-batch and repeats it at NOISE_SCALE, adding
-    both to the tallies; returns the indices of the layers called, in the order of their first calls,
+                     layer_tallies: dict[int, _LayerTally], variable_tallies: list[_VariableTally],
+                     repeat: bool) -> tuple[list[int], list[list[np.ndarray]], list[list[np.ndarray]]]:
+    """Runs the float32 pass of `net` over every micro-batch and (with `repeat`) repeats it at
+    NOISE_SCALE, adding both to the tallies; returns the indices of the layers called, in the order of their first calls,
     every micro-batch's float32 gradients, and the non-trainable state each micro-batch started from."""
     order: dict[int, None] = {}
     float32_grads, states = [], []
     for micro_batch in micro_batches:
         states.append([variable.numpy() for variable in net.model.non_trainable_variables])
         reference = _forward_backward(trainer, objective, net, micro_batch, 1.0, states[-1])
-        repeat = _forward_backward(trainer, objective, net, micro_batch, NOISE_SCALE, states[-1])
+        repeated = (_forward_backward(trainer, objective, net, micro_batch, NOISE_SCALE, states[-1])
+                    .grads if repeat else [None] * len(reference.grads))
         order.update(dict.fromkeys(i for i in reference.calls if i in layer_tallies))
         for index in order:
             layer_tallies[index].add_float32(reference.calls.get(index, []),
                                              reference.output_grads.get(index, []), scale)
-        for tally, grad, repeated_grad in zip(variable_tallies, reference.grads, repeat.grads):
+        for tally, grad, repeated_grad in zip(variable_tallies, reference.grads, repeated):
             tally.add_float32(grad, repeated_grad, scale)
         float32_grads.append(reference.grads)
     return list(order), float32_grads, states
@@ -629,11 +636,13 @@ class _VariableTally:
         self.counts = np.zeros(4, np.int64)  # As _cast_counts.
         self.num_mixed_zero = 0
         self.max_abs, self.min_abs = 0.0, math.inf
-        self.error_squared = self.reference_squared = self.noise_squared = 0.0
+        self.error_squared = self.reference_squared = 0.0
+        self.noise_squared: Optional[float] = 0.0  # None once a micro-batch came without a repeat.
         self.histogram = np.zeros(_MAX_EXPONENT - _MIN_EXPONENT + 1, np.int64)
 
-    def add_float32(self, grad: np.ndarray, repeated_grad: np.ndarray, scale: float) -> None:
-        """One micro-batch's float32 gradient, examined at `scale`, and its repeat at NOISE_SCALE."""
+    def add_float32(self, grad: np.ndarray, repeated_grad: Optional[np.ndarray], scale: float) -> None:
+        """One micro-batch's float32 gradient, examined at `scale`, and its repeat at NOISE_SCALE
+        (None when not repeated: no rel.err)."""
         nonzero = grad != 0
         self.counts += _cast_counts(grad, scale, self.dtype)
         self.histogram += _log2_histogram(grad)
@@ -642,7 +651,10 @@ class _VariableTally:
             self.max_abs = max(self.max_abs, float(magnitudes.max()))
             self.min_abs = min(self.min_abs, float(magnitudes.min()))
         self.reference_squared += _squared_norm(grad)
-        self.noise_squared += _squared_norm(repeated_grad.astype(np.float64) - grad)
+        if repeated_grad is None or self.noise_squared is None:
+            self.noise_squared = None
+        else:
+            self.noise_squared += _squared_norm(repeated_grad.astype(np.float64) - grad)
 
     def add_mixed(self, float32_grad: np.ndarray, mixed_grad: np.ndarray) -> None:
         """One micro-batch's mixed gradient, against its float32 gradient."""
@@ -655,7 +667,8 @@ class _VariableTally:
         absolute_error = math.sqrt(self.error_squared)
         reference_norm = math.sqrt(self.reference_squared)
         # Also None for a zero reference, whose noise (zero too) is not below eps times it.
-        resolved = math.sqrt(self.noise_squared) < eps * reference_norm
+        resolved = (self.noise_squared is not None
+                    and math.sqrt(self.noise_squared) < eps * reference_norm)
         relative_error = absolute_error / reference_norm if resolved else None
         return VariableReport(
             path=self.path, dtype=self.dtype, num_values=num_values, max_abs=self.max_abs,
