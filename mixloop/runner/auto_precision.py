@@ -57,7 +57,6 @@ def start(trainer) -> None:
     trace (the module docstring's start); does nothing unless `is_wanted`.
 
     Raises:
-      ConfigError: with several replicas.
       UserError: when the probe's batches cannot be read or the probe fails.
     """
     precision = trainer.config.precision
@@ -67,7 +66,6 @@ def start(trainer) -> None:
         logging.info("Automatic precision: nothing to place or scale, the policy computes in %s",
                      trainer.policy.compute_dtype.name)
         return
-    _check_one_replica(trainer)
     auto_layers, explicit = split_auto(precision.float32_layers)
     recorded = workdir.read_resolved(trainer.workdir).get(FLOAT32_KEY, "")
     paths = [layer.path for layer in _move(trainer, _matching_paths(trainer, recorded))]
@@ -114,22 +112,26 @@ def heal(trainer) -> str:
     return _placement_sentence(reports[0], found, pinned, time.perf_counter() - started)
 
 
+def check_replicas(config: Any, num_replicas: int) -> None:
+    """Refuses the automatic settings with several replicas (the probe runs on one device).
+
+    Raises:
+      ConfigError: naming the settings and the way out.
+    """
+    if is_wanted(config.precision) and num_replicas > 1:
+        raise ConfigError(
+            f"the automatic precision settings (precision.float32_layers=auto, initial_scale=auto, "
+            f"heal) probe on one device, but config.distribution={config.distribution!r} gives "
+            f"{num_replicas} replicas; run once with --config.distribution=one_device and pin the "
+            "regex and scale it logs")
+
+
 def pinned_regex(base: str, paths: Sequence[str]) -> str:
     """The `precision.float32_layers` regex that pins a placement: `base` (a regex) or the `paths`."""
     return "|".join(([base] if base else []) + [re.escape(path) for path in paths])
 
 
 # ----- Private helpers. -----
-
-
-def _check_one_replica(trainer) -> None:
-    replicas = trainer.strategy.num_replicas_in_sync
-    if replicas > 1:
-        raise ConfigError(
-            f"the automatic precision settings (precision.float32_layers=auto, initial_scale=auto, "
-            f"heal) probe on one device, but config.distribution={trainer.config.distribution!r} "
-            f"gives {replicas} replicas; run once with --config.distribution=one_device and pin "
-            "the regex and scale it logs")
 
 
 def _probe(trainer, batches: Iterable[Any]) -> list[PrecisionReport]:

@@ -43,6 +43,7 @@ class Trainer:
             tf.config.experimental.enable_op_determinism()
         self.is_chief = distribution.is_chief(self.strategy)
         _check_replica_batch(config, self.strategy.num_replicas_in_sync)
+        auto_precision.check_replicas(config, self.strategy.num_replicas_in_sync)
         self.jit_compile = resolve_jit_compile(config.jit_compile, self.strategy.num_replicas_in_sync)
         self.policy, policy_reason = precision_setup.make_policy(config.precision.policy)
         logging.info("%s (%s); %s; train step %s", policy_reason, self.policy,
