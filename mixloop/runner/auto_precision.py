@@ -103,9 +103,11 @@ def heal(trainer) -> str:
         return ""
     found = _move(trainer, reports[0].advice.float32_layers)
     if not found:
+        logging.info("The healing probe found no 16-bit layer to move to float32: %s",
+                     _placement_sentence(reports[0], found, "", time.perf_counter() - started))
         return ""
     trainer.compile_loops()
-    recorded = workdir.read_resolved(trainer.workdir).get(FLOAT32_KEY) if trainer.is_chief else None
+    recorded = workdir.read_resolved(trainer.workdir).get(FLOAT32_KEY)
     pinned = pinned_regex(recorded or split_auto(precision.float32_layers)[1],
                           [layer.path for layer in found])
     _record(trainer, {FLOAT32_KEY: pinned}, reports)
@@ -173,10 +175,10 @@ def _placement_sentence(report: PrecisionReport, found: list, pinned: str, secon
     low = [layer for layer in report.layers if layer.compute_dtype != "float32"]
     closest = min(low, key=lambda layer: layer.headroom_bits, default=None)
     if closest is None:
-        return f"{probed}: no layer computes in 16 bits; default placement kept"
-    return (f"{probed}: no layer to move; every 16-bit value stays {MARGIN_BITS} or more doublings "
-            f"below its dtype's largest (closest: {closest.path}, values up to "
-            f"{closest.max_abs:.3g}, {closest.headroom_bits:.1f} doublings); default placement kept")
+        return f"{probed}: no layer computes in 16 bits; no layer moved"
+    return (f"{probed}: every 16-bit value stays {MARGIN_BITS} or more doublings below its dtype's "
+            f"largest (closest: {closest.path}, values up to {closest.max_abs:.3g}, "
+            f"{closest.headroom_bits:.1f} doublings); no layer moved")
 
 
 def _start_loss_scales(trainer, reports: list[PrecisionReport],
