@@ -120,13 +120,14 @@ RESOLVED = "resolved"
 def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -> None:
     """Writes `config.json`; a different earlier one is kept as `config-step-<step>.json`.
 
-    An unchanged config leaves the file as it is, with its `resolved` record.
+    An unchanged config leaves the file as it is, with its `resolved` record; a changed one carries
+    the record over, since what the earlier probes chose still holds for the weights resumed.
     """
     path = os.path.join(directory, "config.json")
     new = json.loads(config.to_json_best_effort())
     if os.path.exists(path):
         old = _read_config(path)
-        old.pop(RESOLVED, None)
+        resolved = old.pop(RESOLVED, None)
         changes = config_changes(old, new)
         if not changes:
             return
@@ -136,6 +137,8 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
             n += 1
             kept = os.path.join(directory, f"config-step-{step}-{n}.json")
         os.replace(path, kept)
+        if resolved:
+            new[RESOLVED] = resolved
     _write_json(path, new)
 
 

@@ -1,0 +1,353 @@
+"""Automatic precision: `precision.float32_layers=auto`, `initial_scale=auto` and `heal`, on the
+planted problems of hot_experiment, a model with nothing to fix, bad data and resumed runs."""
+
+import collections
+import contextlib
+import glob
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import faulty_experiment
+import hot_experiment
+import keras
+import pytest
+import tensorflow as tf
+import tiny_experiment
+
+from mixloop.cli import import_trainer
+from mixloop.config import ConfigError, validate
+from mixloop.runner import guard, workdir
+from mixloop.runner.precision_report import diagnose_batches, initial_scale_keeping
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+AUTO = {"precision.float32_layers": "auto"}
+HEAL = {"precision.heal": True, "train.max_recoveries": 1}
+FAST = {"jit_compile": False}  # Tracing without XLA: seconds less per run; the CLI test keeps XLA.
+
+
+# ----- Helpers. -----
+
+def make_trainer(module, variant, directory, **overrides):
+    """The experiment `module`'s trainer for `variant`, with `overrides` ("section.key": value)."""
+    keras.utils.set_random_seed(1234)  # Module-scoped fixtures run before conftest's seeding.
+    config = module.get_config(variant)
+    for key, value in {**FAST, **overrides}.items():
+        section, _, field = key.rpartition(".")
+        (config[section] if section else config)[field] = value
+    return import_trainer(config.trainer)(config, str(directory))
+
+
+@contextlib.contextmanager
+def absl_messages():
+    """The messages absl.logging emits inside the block, INFO and up (caplog is per test)."""
+    messages = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+Run = collections.namedtuple("Run", "trainer metrics error log directory")
+
+
+def train(module, variant, directory, **overrides):
+    """Trains to the end or to a divergence; the run's trainer, metrics, TrainingDiverged and log."""
+    with absl_messages() as log:
+        trainer = make_trainer(module, variant, directory, **overrides)
+        try:
+            metrics, error = trainer.train(), None
+        except guard.TrainingDiverged as diverged:
+            metrics, error = None, diverged
+    keras.config.set_dtype_policy("float32")
+    return Run(trainer, metrics, error, log, directory)
+
+
+def lines_with(run, text):
+    return [message for message in run.log if text in message]
+
+
+def compute_dtypes(trainer):
+    return {layer.name: layer.compute_dtype for layer in trainer.model.layers}
+
+
+def float32_layers(trainer):
+    """The non-input layers computing in float32 (logits does by name, whatever the settings)."""
+    return sorted(name for name, dtype in compute_dtypes(trainer).items()
+                  if dtype == "float32" and not name.startswith("input"))
+
+
+def read_scalars(directory, tag):
+    """The values of `tag` in the event files of `directory`, by step (a resumed run adds a file)."""
+    values = []
+    for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            values += [(event.step, float(tf.make_ndarray(v.tensor)))
+                       for v in event.summary.value if v.tag == tag]
+    return [value for _, value in sorted(values)]
+
+
+def resume(run, module, variant, directory, **overrides):
+    """Continues a copy of `run`'s finished workdir in `directory`, with `overrides`."""
+    shutil.copytree(run.directory, directory)
+    return train(module, variant, directory, **overrides)
+
+
+# ----- A planted hot layer and a planted long-axis reduction. -----
+
+@pytest.fixture(scope="module")
+def hot_auto(tmp_path_factory):
+    return train(hot_experiment, None, tmp_path_factory.mktemp("hot_auto"), **AUTO)
+
+
+@pytest.fixture(scope="module")
+def reduction_auto(tmp_path_factory):
+    return train(hot_experiment, "reduction", tmp_path_factory.mktemp("reduction_auto"),
+                 **AUTO, **{"train.num_steps": 10})
+
+
+@pytest.mark.parametrize("variant, steps", [(None, 30), ("reduction", 10)])
+def test_plain_mixed_float16_diverges_on_the_planted_problems(tmp_path, variant, steps):
+    run = train(hot_experiment, variant, tmp_path, **{"train.num_steps": steps})
+    assert run.error is not None
+    assert "training diverged at step 1: the float32 loss is nan" in str(run.error)
+
+
+@pytest.mark.parametrize("fixture, planted, evidence, steps", [
+    ("hot_auto", ["hot", "squash"], "exceed float16's largest finite value, 65504", 30),
+    ("reduction_auto", ["pool"], "it turned finite inputs into 64 inf or NaN outputs", 10),
+])
+def test_auto_moves_exactly_the_planted_layers_and_trains(request, fixture, planted, evidence, steps):
+    run = request.getfixturevalue(fixture)
+    assert run.error is None
+    assert int(run.trainer.global_step.numpy()) == steps
+    assert run.trainer.state.skipped_totals()["model"] <= 1
+    assert run.metrics["skipped_total"] <= 1
+    assert math.isfinite(run.metrics["loss"])
+    assert float32_layers(run.trainer) == sorted(planted + ["logits"])  # logits: by name.
+    pinned = "|".join(planted)
+    assert workdir.read_resolved(str(run.directory)) == {"precision.float32_layers": pinned}
+    assert os.path.exists(run.directory / "precision" / "report-step-0.json")
+    [line] = lines_with(run, "precision.float32_layers=auto: probed 2 train batches")
+    assert f": {planted[0]} (float16): " in line and evidence in line
+    assert f"--config.precision.float32_layers='{pinned}'" in line
+
+
+def test_the_pinned_regex_gives_the_same_placement(tmp_path, hot_auto):
+    pinned = workdir.read_resolved(str(hot_auto.directory))["precision.float32_layers"]
+    trainer = make_trainer(hot_experiment, None, tmp_path, **{"precision.float32_layers": pinned})
+    assert compute_dtypes(trainer) == compute_dtypes(hot_auto.trainer)
+    assert compute_dtypes(trainer)["hot"] == "float32"
+
+
+def test_an_explicit_regex_combines_with_auto(tmp_path):
+    run = train(hot_experiment, None, tmp_path, **{"precision.float32_layers": "auto|body",
+                                                   "train.num_steps": 10})
+    assert run.error is None
+    assert float32_layers(run.trainer) == ["body", "hot", "logits", "squash"]
+    assert workdir.read_resolved(str(tmp_path)) == {"precision.float32_layers": "body|hot|squash"}
+
+
+# ----- A layer that overflows only after some training: healed mid-run. -----
+
+@pytest.fixture(scope="module")
+def growing_healed(tmp_path_factory):
+    return train(hot_experiment, "growing", tmp_path_factory.mktemp("growing_healed"), **HEAL)
+
+
+@pytest.fixture(scope="module")
+def growing_float32(tmp_path_factory):
+    return train(hot_experiment, "growing", tmp_path_factory.mktemp("growing_float32"),
+                 **{"precision.policy": "float32"})
+
+
+def test_the_growing_layer_diverges_without_healing(tmp_path):
+    run = train(hot_experiment, "growing", tmp_path, **{"train.max_recoveries": 0})
+    assert run.error is not None
+    step = int(str(run.error).split("training diverged at step ")[1].split(":")[0])
+    assert 30 < step <= 50  # 1.3**step * ~4 passes 65504 near step 40: it trains, then diverges.
+
+
+def test_healing_moves_the_growing_layers_and_ends_near_float32(growing_healed, growing_float32):
+    run = growing_healed
+    assert run.error is None
+    assert int(run.trainer.global_step.numpy()) == 80
+    [heal] = lines_with(run, "Heal (recovery)")
+    assert heal.startswith("Heal (recovery) 1 of 1: training diverged at step ")
+    assert "Healing: probed 2 train batches" in heal
+    assert "grow (float16): values up to" in heal and "shrink (float16): values up to" in heal
+    assert "--config.precision.float32_layers='grow|shrink'" in heal
+    assert not lines_with(run, "Recovery 1 of")
+    assert float32_layers(run.trainer) == ["grow", "logits", "shrink"]
+    assert workdir.read_resolved(str(run.directory)) == {"precision.float32_layers": "grow|shrink"}
+    assert read_scalars(run.directory / "train", "heals") == [1.0]
+    assert read_scalars(run.directory / "train", "recoveries") == [1.0]
+    reference = growing_float32.metrics["eval_loss"]
+    assert abs(run.metrics["eval_loss"] - reference) <= 0.01 * reference, (run.metrics, reference)
+
+
+def test_bad_data_is_recovered_from_but_not_healed(tmp_path):
+    with absl_messages() as log:
+        trainer = make_trainer(faulty_experiment, None, tmp_path, **HEAL,
+                               **{"data.nan_batches": [6]})
+        trainer.train()
+    assert int(trainer.global_step.numpy()) == 24
+    assert [m for m in log if m.startswith("Recovery 1 of 1: training diverged at step 7")]
+    assert not [m for m in log if "Heal" in m]
+    assert read_scalars(tmp_path / "train", "heals") == [0.0]
+    assert float32_layers(trainer) == ["logits"]
+
+
+def test_a_resumed_run_applies_the_recorded_layers_and_does_not_heal_again(tmp_path, growing_healed):
+    # num_steps changes, so config.json is rewritten: the record must survive it.
+    run = resume(growing_healed, hot_experiment, "growing", tmp_path / "resumed",
+                 **HEAL, **{"train.num_steps": 100})
+    assert run.error is None
+    assert int(run.trainer.global_step.numpy()) == 100
+    [applied] = lines_with(run, "as config.json records")
+    assert applied.startswith("Automatic precision: grow, shrink compute in float32")
+    assert not lines_with(run, "Heal") and not lines_with(run, "Recovery")
+    assert run.metrics["skipped_total"] == 0
+    assert workdir.read_resolved(str(tmp_path / "resumed")) == {
+        "precision.float32_layers": "grow|shrink"}
+
+
+def test_a_changed_config_keeps_the_resolved_record(tmp_path):
+    config = tiny_experiment.get_config()
+    workdir.write_config(str(tmp_path), config, 0)
+    workdir.record_resolved(str(tmp_path), {"precision.float32_layers": "grow|shrink"})
+    config.train.num_steps = 80
+    workdir.write_config(str(tmp_path), config, 50)
+    assert workdir.read_resolved(str(tmp_path)) == {"precision.float32_layers": "grow|shrink"}
+    kept = json.loads((tmp_path / "config-step-50.json").read_text())
+    assert kept["resolved"] == {"precision.float32_layers": "grow|shrink"}
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["num_steps"] == 80
+
+
+# ----- Nothing to fix: the default placement and an unchanged step. -----
+
+def traced_dtypes(trainer):
+    """Sorted (op, dtype attributes) of every node of the traced train step, in its loop bodies too."""
+    graph = tf.function(trainer.train_step.step).get_concrete_function(
+        trainer._train_data.element_spec).graph.as_graph_def()
+    nodes = list(graph.node) + [node for function in graph.library.function
+                                for node in function.node_def]
+
+    def typed(node):
+        dtypes = []
+        for key, value in sorted(node.attr.items()):
+            dtypes += [(key, tf.as_dtype(value.type).name)] if value.type else []
+            dtypes += [(key, tf.as_dtype(dtype).name) for dtype in value.list.type]
+        return node.op, tuple(dtypes)
+
+    return sorted(typed(node) for node in nodes)
+
+
+def started_tiny(directory, **overrides):
+    """A tiny trainer after the controller's start: config.json written, then `start_precision`."""
+    trainer = make_trainer(tiny_experiment, None, directory, **overrides)
+    os.makedirs(directory)
+    workdir.write_config(str(directory), trainer.config, 0)
+    with absl_messages() as log:
+        trainer.start_precision()
+    return trainer, log
+
+
+def test_nothing_to_fix_keeps_the_placement_the_step_and_the_scale(tmp_path):
+    plain, _ = started_tiny(tmp_path / "plain")
+    auto, log = started_tiny(tmp_path / "auto", **AUTO)
+    moved, _ = started_tiny(tmp_path / "moved", **{"precision.float32_layers": "dense"})
+
+    assert compute_dtypes(auto) == compute_dtypes(plain)
+    assert [m for m in log if "no layer to move" in m and "default placement kept" in m]
+    assert workdir.read_resolved(str(tmp_path / "auto")) == {"precision.float32_layers": ""}
+    default_step = traced_dtypes(plain)
+    assert traced_dtypes(auto) == default_step
+    assert traced_dtypes(moved) != default_step  # The comparison sees a moved layer.
+    assert float(auto.objectives["model"].loss_scale.scale.numpy()) == 2.0**15
+
+
+# ----- initial_scale=auto. -----
+
+SCALE_AUTO = {**AUTO, "precision.initial_scale": "auto", "precision.growth_interval": 5,
+              "train.num_steps": 10}  # Two growths: the checkpoint's scale is 4 times the start.
+
+
+@pytest.fixture(scope="module")
+def hot_scaled(tmp_path_factory):
+    return train(hot_experiment, None, tmp_path_factory.mktemp("hot_scaled"), **SCALE_AUTO)
+
+
+def test_auto_initial_scale_is_the_doctors_advice(tmp_path, hot_scaled):
+    doctor = make_trainer(hot_experiment, None, tmp_path)  # The same weights, the probe's batches.
+    [report] = diagnose_batches(doctor, ["model"], itertools.islice(doctor.make_train_iterator(0), 2))
+    advised = initial_scale_keeping(report, ["hot", "squash"])
+    assert advised == report.advice.initial_scale
+    # The rule: the largest power of two keeping the largest float16 gradient 2**3 below 65504.
+    largest = report.advice.largest_gradient
+    assert advised == 2.0**math.floor(math.log2(65504 / 2**3 / largest))
+
+    run = hot_scaled
+    assert run.error is None and run.metrics["skipped_total"] == 0
+    [line] = lines_with(run, "precision.initial_scale=auto: the loss scale starts at")
+    assert f"starts at {advised:g} (" in line
+    assert workdir.read_resolved(str(run.directory))["precision.initial_scale"] == advised
+    assert 1.0 <= advised <= 2.0**24 / 16  # Room for the four growths of this test and the next.
+    assert read_scalars(run.directory / "train", "loss_scale")[-1] == 4 * advised
+
+
+def test_a_resumed_run_keeps_the_checkpoints_scale(tmp_path, hot_scaled):
+    advised = workdir.read_resolved(str(hot_scaled.directory))["precision.initial_scale"]
+    run = resume(hot_scaled, hot_experiment, None, tmp_path / "resumed",
+                 **{**SCALE_AUTO, "train.num_steps": 20})
+    assert run.error is None
+    assert not lines_with(run, "precision.initial_scale=auto")
+    # From the checkpoint's 4 times the advice, two more growths; a restart would give 4 times.
+    assert read_scalars(tmp_path / "resumed" / "train", "loss_scale")[-1] == 16 * advised
+
+
+# ----- Config checks and the CLI. -----
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"precision.float32_layers": "auto|log(its"}, "config.precision.float32_layers='auto|log(its'"),
+    ({"precision.initial_scale": "x"}, "config.precision.initial_scale='x' is not allowed"),
+    ({"precision.heal": True, "train.max_recoveries": 0},
+     "config.precision.heal=True is not allowed: True needs train.max_recoveries of at least 1"),
+])
+def test_bad_automatic_settings_are_refused(overrides, message):
+    config = tiny_experiment.get_config()
+    for key, value in overrides.items():
+        section, _, field = key.rpartition(".")
+        config[section][field] = value
+    with pytest.raises(ConfigError) as raised:
+        validate(config)
+    assert message in str(raised.value)
+
+
+@pytest.mark.slow
+def test_cli_places_and_scales_the_hot_experiment(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "mixloop.train", f"--config={TESTS_DIR}/hot_experiment.py",
+         f"--workdir={tmp_path}", "--config.precision.initial_scale=auto",
+         "--config.precision.float32_layers=auto"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "precision.float32_layers=auto: probed 2 train batches" in result.stderr
+    assert "--config.precision.float32_layers='hot|squash'" in result.stderr
+    assert "precision.initial_scale=auto: the loss scale starts at" in result.stderr
+    resolved = json.loads((tmp_path / "config.json").read_text())["resolved"]
+    assert resolved["precision.float32_layers"] == "hot|squash"
