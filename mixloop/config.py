@@ -47,7 +47,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.precision.policy = "float32"  # float32, mixed_float16, mixed_bfloat16, or auto.
     config.precision.loss_scale = "dynamic"  # "dynamic", "none", or a number for a static scale.
     # Dynamic scale: the starting value, or "auto": the largest that leaves the gradients of a probe of
-    # the first train batches 2**MARGIN_BITS below float16's largest value (the doctor's rule).
+    # a few train batches 2**MARGIN_BITS below float16's largest value (the doctor's rule).
     config.precision.initial_scale = FieldReference(DEFAULT_INITIAL_SCALE, field_type=object)
     config.precision.growth_interval = 2000  # Dynamic scale: finite updates in a row before growing.
     config.precision.growth_factor = 2.0  # Dynamic scale: factor applied on growth (> 1).
@@ -56,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.precision.min_scale = 1.0  # Dynamic scale: lower bound.
     config.precision.max_scale = 2.0**24  # Dynamic scale: upper bound.
     # Regex of layer paths that also compute in float32; "auto" (or "auto|REGEX") adds the layers a probe
-    # of the first train batches finds overflowing 16 bits (and on resume, the ones recorded).
+    # of a few train batches finds overflowing 16 bits (and on resume, the ones recorded).
     config.precision.float32_layers = ""
     config.precision.probe_batches = 2  # Train batches the automatic placement and healing probe.
     # On a divergence in 16 bits with finite inputs, probe, move the layers found to float32, restore

@@ -271,7 +271,7 @@ def test_nothing_to_fix_keeps_the_placement_the_step_and_the_scale(tmp_path):
     moved, _ = started_tiny(tmp_path / "moved", **{"precision.float32_layers": "dense"})
 
     assert compute_dtypes(auto) == compute_dtypes(plain)
-    assert [m for m in log if "no layer to move" in m and "default placement kept" in m]
+    assert [m for m in log if "3 or more doublings" in m and "no layer moved" in m]
     assert workdir.read_resolved(str(tmp_path / "auto")) == {"precision.float32_layers": ""}
     default_step = traced_dtypes(plain)
     assert traced_dtypes(auto) == default_step
