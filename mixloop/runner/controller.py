@@ -200,7 +200,9 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[di
             if recoveries >= config.train.max_recoveries:
                 raise guard.TrainingDiverged(diverged)  # Before any save: no bad checkpoint.
             recoveries += 1
-            heals += _recover(trainer, diverged, recoveries, bool(totals["last_inputs_finite"]))
+            healed = _recover(trainer, diverged, recoveries, bool(totals["last_inputs_finite"]))
+            heals += healed
+            compiled = compiled and not healed  # A heal traces the loop anew: timed apart again.
             writer.write("train", step, {"recoveries": recoveries, "heals": heals})
             step = int(trainer.global_step.numpy())
             interval = reporting.Interval(step, trainer.state.skipped_totals())
@@ -300,20 +302,22 @@ def _divergence_message(trainer: Runnable, reason: int, objective: str, totals: 
     return f"{message}; last good checkpoint: {last_good or 'none yet'}"
 
 
-def _recover(trainer: Runnable, message: str, recoveries: int, inputs_finite: bool) -> int:
+def _recover(trainer: Runnable, message: str, recoveries: int, inputs_finite: bool) -> bool:
     """Restores the last good checkpoint (the data keeps moving forward) and goes on; with
     `precision.heal` and finite inputs, first moves the layers a probe of the diverged weights finds
-    overflowing to float32. Returns 1 for a heal, 0 otherwise."""
+    overflowing to float32. Returns whether it healed."""
     path = tf.train.latest_checkpoint(trainer.resume_directory())
     if path is None:
-        raise guard.TrainingDiverged(message)
+        hint = ("; a heal needs a checkpoint to restore (precision.float32_layers=auto probes "
+                "before the first update)" if trainer.config.precision.heal else "")
+        raise guard.TrainingDiverged(message + hint)
     healed = trainer.heal() if trainer.config.precision.heal and inputs_finite else ""
     logging.warning("%s %d of %d: %s. %sRestoring %s and continuing with later data.",
                     "Heal (recovery)" if healed else "Recovery", recoveries,
                     trainer.config.train.max_recoveries, message,
                     f"Healing: {healed}. " if healed else "", path)
     trainer.restore_weights(path)
-    return 1 if healed else 0
+    return bool(healed)
 
 
 def _log_first_skips(trainer: Runnable, interval: reporting.Interval, logged: set) -> None:
