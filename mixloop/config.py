@@ -164,7 +164,8 @@ def _parses_as_policy(value: Any) -> bool:
     return True
 
 
-def _compiles(pattern: Any) -> bool:
+def compiles(pattern: Any) -> bool:
+    """Whether `pattern` is a valid Python regular expression."""
     try:
         re.compile(pattern)
     except (re.error, TypeError):
@@ -184,7 +185,7 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
              f"one of {', '.join(POLICIES)} or 'params=..,compute=..,output=..'")
     _require(parse_loss_scale(p.loss_scale) is not None, "precision.loss_scale", p.loss_scale,
              "'dynamic', 'none' or a positive finite number")
-    _require(isinstance(p.float32_layers, str) and _compiles(split_auto(p.float32_layers)[1]),
+    _require(isinstance(p.float32_layers, str) and compiles(split_auto(p.float32_layers)[1]),
              "precision.float32_layers", p.float32_layers,
              "a Python regular expression over layer paths, 'auto', or 'auto|REGEX'")
     _require(p.initial_scale == AUTO or (_is_number(p.initial_scale) and 0 < p.initial_scale < math.inf),

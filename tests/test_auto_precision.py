@@ -205,7 +205,7 @@ def test_bad_data_is_recovered_from_but_not_healed(tmp_path):
         trainer.train()
     assert int(trainer.global_step.numpy()) == 24
     assert [m for m in log if m.startswith("Recovery 1 of 1: training diverged at step 7")]
-    assert not [m for m in log if "Heal" in m]
+    assert not [m for m in log if "Heal" in m or "healing probe" in m]  # Not even tried.
     assert read_scalars(tmp_path / "train", "heals") == [0.0]
     assert float32_layers(trainer) == ["logits"]
 
@@ -272,7 +272,7 @@ def test_nothing_to_fix_keeps_the_placement_the_step_and_the_scale(tmp_path):
 
     assert compute_dtypes(auto) == compute_dtypes(plain)
     assert [m for m in log if "3 or more doublings" in m and "no layer moved" in m]
-    assert workdir.read_resolved(str(tmp_path / "auto")) == {"precision.float32_layers": ""}
+    assert workdir.read_resolved(str(tmp_path / "auto")) == {}  # Nothing moved: nothing to pin.
     default_step = traced_dtypes(plain)
     assert traced_dtypes(auto) == default_step
     assert traced_dtypes(moved) != default_step  # The comparison sees a moved layer.

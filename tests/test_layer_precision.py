@@ -10,7 +10,7 @@ import tensorflow as tf
 import mixloop
 from mixloop.config import ConfigError
 from mixloop.engine.layer_precision import (FLOAT32_LAYER_TYPES, building_under, describe_placement,
-                                            keep_float32_layers, named_layers)
+                                            keep_float32_layers, move_to_float32, named_layers)
 from mixloop.engine.policy import Policy
 from mixloop.engine.step import TrainStep
 
@@ -351,3 +351,33 @@ def test_loss_gradients_slots_and_variables_are_float32(policy_name):
     slots = [v for v in optimizer.variables if v.path != optimizer.iterations.path]
     assert len(slots) == len(step.model.trainable_variables) + 1  # one momentum each, plus the learning rate
     assert {v.dtype for v in slots} == {"float32"}
+
+
+def test_moving_a_parent_to_float32_stops_its_kept_sublayer_handing_back_float16():
+    def attention_model():
+        inputs = keras.Input((6, 8))
+        x = keras.layers.MultiHeadAttention(2, 4, name="attention")(inputs, inputs)
+        return keras.Model(inputs, keras.layers.Dense(3, name="logits")(x))
+
+    policy = Policy.from_string("mixed_float16")
+    model = mixloop.build_model(attention_model, policy)
+    layers = named_layers(model)
+    softmax = layers["attention/softmax"]
+    inputs = tf.random.normal((2, 6, 8), seed=1)
+    # Kept in float32 by default inside the float16 attention: it casts its outputs back.
+    assert softmax.compute_dtype == "float32" and softmax(tf.zeros((1, 2, 6, 6))).dtype == tf.float16
+
+    moved = move_to_float32(model, policy, ["attention", "no/such/layer"], "the probe")
+
+    assert [layer.path for layer in moved] == ["attention"]
+    assert {layers[p].compute_dtype for p in layers if p.startswith("attention")} == {"float32"}
+    # Inside its float32 parent the softmax now returns float32, as the float32 model computes.
+    assert softmax(tf.zeros((1, 2, 6, 6))).dtype == tf.float32
+    reference = mixloop.build_model(attention_model, Policy.from_string("float32"))
+    reference.set_weights(model.get_weights())
+    attention = keras.Model(model.inputs, model.get_layer("attention").output)
+    expected = keras.Model(reference.inputs, reference.get_layer("attention").output)
+    np.testing.assert_allclose(attention(inputs).numpy(), expected(inputs).numpy(), rtol=1e-6,
+                               atol=1e-6)
+    # Under a policy that computes in float32 there is nothing to move.
+    assert move_to_float32(reference, Policy.from_string("float32"), ["attention"], "x") == []

@@ -123,6 +123,8 @@ def move_to_float32(model: keras.Model, policy: Policy, paths: Sequence[str],
     `keep_float32_layers` does, after the model was placed (the automatic placement's finds);
     returns those switched, each with `reason`. Layers computing in float32 already, and paths
     that name no layer, are left alone. Whatever traced the model must be traced again."""
+    if not policy.is_mixed or policy.param_dtype.name != "float32":
+        return []
     wanted = set(paths)
     return _switch_to_float32(
         model, policy, named_layers(model),
@@ -143,7 +145,10 @@ def _switch_to_float32(model: keras.Model, policy: Policy, layers: dict[str, ker
             continue
         layer.dtype_policy = "float32"
         if parent_kept:
-            continue  # Its float32 parent already hands back the compute dtype.
+            # Its float32 parent hands back the compute dtype; a sublayer kept before the parent
+            # moved (a default softmax) must stop handing it back inside the parent.
+            _stop_handing_back(layer)
+            continue
         kept.append(Float32Layer(path, reason))
         inside_kept.add(path)
         parent = layers.get(path.rpartition("/")[0], model)
@@ -211,7 +216,14 @@ def _hand_back(layer: keras.layers.Layer, policy: Policy) -> None:
     def call_and_cast_back(*args, **kwargs):
         return policy.cast_to_compute(call(*args, **kwargs))
 
+    call_and_cast_back.hands_back = True
     object.__setattr__(layer, "call", call_and_cast_back)
+
+
+def _stop_handing_back(layer: keras.layers.Layer) -> None:
+    """Undoes `_hand_back` on `layer`, if it was applied."""
+    if getattr(vars(layer).get("call"), "hands_back", False):
+        object.__delattr__(layer, "call")
 
 
 def _no_match_message(pattern: str, paths: list[str], max_paths: int = 5) -> str:

@@ -31,12 +31,12 @@ import itertools
 import os
 import re
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Sequence, Union
 
 import tensorflow as tf
 from absl import logging
 
-from mixloop.config import AUTO, ConfigError, split_auto
+from mixloop.config import AUTO, ConfigError, compiles as config_compiles, split_auto
 from mixloop.engine import layer_precision
 from mixloop.engine.loss_scale import DynamicLossScale
 from mixloop.errors import UserError
@@ -67,7 +67,7 @@ def start(trainer) -> None:
                      trainer.policy.compute_dtype.name)
         return
     auto_layers, explicit = split_auto(precision.float32_layers)
-    recorded = workdir.read_resolved(trainer.workdir).get(FLOAT32_KEY, "")
+    recorded = _recorded_regex(trainer.workdir)
     paths = [layer.path for layer in _move(trainer, _matching_paths(trainer, recorded))]
     if paths:
         logging.info("Automatic precision: %s compute in float32, as config.json records "
@@ -76,8 +76,13 @@ def start(trainer) -> None:
     if not (auto_layers or (auto_scale and fresh)):
         return  # Healing only: the probe waits for a divergence.
     started = time.perf_counter()
+    # The run's own iterator first: a fast-forwarded one made after the probe's would start another
+    # shuffle order than it does in a run without the probe, or resumed.
+    trainer.train_iterator  # The property makes it.
     reports = _probe(trainer, itertools.islice(trainer.make_train_iterator(0),
                                                precision.probe_batches))
+    # The layers' values come from the one forward pass every objective shares: the first
+    # objective's advice on layers is every objective's.
     found = [] if not auto_layers else _move(trainer, reports[0].advice.float32_layers)
     seconds = time.perf_counter() - started
     pinned = pinned_regex(recorded or explicit, [layer.path for layer in found])
@@ -95,19 +100,21 @@ def heal(trainer) -> str:
     to float32, tracing the loops anew (the module docstring's divergence); returns a sentence
     saying what moved, '' when the probe found nothing new or no batch was left."""
     precision = trainer.config.precision
-    started = time.perf_counter()
-    try:
-        reports = _probe(trainer, itertools.islice(trainer.train_iterator, precision.probe_batches))
-    except UserError as error:  # No batch left: the recovery ends the run at the end of the data.
-        logging.warning("The healing probe could not run: %s", error)
+    if not trainer.policy.is_mixed:
         return ""
-    found = _move(trainer, reports[0].advice.float32_layers)
+    started = time.perf_counter()
+    batches = list(itertools.islice(trainer.train_iterator, precision.probe_batches))
+    if not batches:  # The recovery then ends the run at the end of the data.
+        logging.warning("The healing probe found no train batch left to read")
+        return ""
+    reports = _probe(trainer, batches)
+    found = _move(trainer, reports[0].advice.float32_layers)  # Shared by every objective (start).
     if not found:
         logging.info("The healing probe found no 16-bit layer to move to float32: %s",
                      _placement_sentence(reports[0], found, "", time.perf_counter() - started))
         return ""
     trainer.compile_loops()
-    recorded = workdir.read_resolved(trainer.workdir).get(FLOAT32_KEY)
+    recorded = _recorded_regex(trainer.workdir)
     pinned = pinned_regex(recorded or split_auto(precision.float32_layers)[1],
                           [layer.path for layer in found])
     _record(trainer, {FLOAT32_KEY: pinned}, reports)
@@ -150,6 +157,21 @@ def _probe(trainer, batches: Iterable[Any]) -> list[PrecisionReport]:
                         f"{controller.op_error_summary(error)}") from None
 
 
+def _recorded_regex(directory: str) -> str:
+    """The pinning regex config.json's `resolved` record holds ('' for none).
+
+    Raises:
+      UserError: for a record that is not a valid regex (a hand-edited config.json).
+    """
+    resolved = workdir.read_resolved(directory)
+    regex = resolved.get(FLOAT32_KEY, "") if isinstance(resolved, dict) else None
+    if not (isinstance(regex, str) and config_compiles(regex)):
+        raise UserError(f"{os.path.join(directory, 'config.json')}: its resolved record "
+                        f"{FLOAT32_KEY}={regex!r} is not a regex over layer paths; repair it or "
+                        "remove the record")
+    return regex
+
+
 def _matching_paths(trainer, regex: str) -> list[str]:
     if not regex:
         return []
@@ -182,7 +204,7 @@ def _placement_sentence(report: PrecisionReport, found: list, pinned: str, secon
 
 
 def _start_loss_scales(trainer, reports: list[PrecisionReport],
-                       moved: list[str]) -> Optional[Any]:
+                       moved: list[str]) -> Union[None, float, dict[str, float]]:
     """Starts each objective's dynamic loss scale at the doctor's rule, given the layers `moved` to
     float32; logs one line per objective; returns the scale (a dict of them with several
     objectives), or None when no objective has a dynamic scale in float16."""
@@ -210,7 +232,8 @@ def _record(trainer, resolved: dict[str, Any], reports: list[PrecisionReport]) -
     """Writes `resolved` into config.json's record and the doctor's reports into precision/."""
     if not trainer.is_chief:
         return
-    workdir.record_resolved(trainer.workdir, {k: v for k, v in resolved.items() if v is not None})
+    workdir.record_resolved(trainer.workdir, {key: value for key, value in resolved.items()
+                                              if value not in (None, "")})
     directory = os.path.join(trainer.workdir, "precision")
     os.makedirs(directory, exist_ok=True)
     for report in reports:

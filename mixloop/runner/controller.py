@@ -309,7 +309,7 @@ def _recover(trainer: Runnable, message: str, recoveries: int, inputs_finite: bo
     path = tf.train.latest_checkpoint(trainer.resume_directory())
     if path is None:
         hint = ("; a heal needs a checkpoint to restore (precision.float32_layers=auto probes "
-                "before the first update)" if trainer.config.precision.heal else "")
+                "before the first update)" if trainer.config.precision.heal and inputs_finite else "")
         raise guard.TrainingDiverged(message + hint)
     healed = trainer.heal() if trainer.config.precision.heal and inputs_finite else ""
     logging.warning("%s %d of %d: %s. %sRestoring %s and continuing with later data.",

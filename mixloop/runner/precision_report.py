@@ -67,7 +67,7 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from mixloop.config import parse_loss_scale
+from mixloop.config import parse_loss_scale, split_auto
 from mixloop.engine.layer_precision import build_model, named_layers
 from mixloop.engine.loss import as_losses
 from mixloop.engine.policy import Policy
@@ -427,9 +427,10 @@ def _twin_variables(model: keras.Model, twin: keras.Model, variables: list) -> l
 
 def _measure_float32(trainer, objective: str, net: _Net, micro_batches: list, scale: float,
                      layer_tallies: dict[int, _LayerTally], variable_tallies: list[_VariableTally],
-                     repeat: bool) -> tuple[list[int], list[list[np.ndarray]], list[list[np.ndarray]]]:
-    """Runs the float32 pass of `net` over every micro-batch and (with `repeat`) repeats it at
-    NOISE_SCALE, adding both to the tallies; returns the indices of the layers called, in the order of their first calls,
+                     relative_errors: bool
+                     ) -> tuple[list[int], list[list[np.ndarray]], list[list[np.ndarray]]]:
+    """Runs the float32 pass of `net` over every micro-batch and (for `relative_errors`) repeats
+    it at NOISE_SCALE, adding both to the tallies; returns the indices of the layers called, in the order of their first calls,
     every micro-batch's float32 gradients, and the non-trainable state each micro-batch started from."""
     order: dict[int, None] = {}
     float32_grads, states = [], []
@@ -437,7 +438,7 @@ def _measure_float32(trainer, objective: str, net: _Net, micro_batches: list, sc
         states.append([variable.numpy() for variable in net.model.non_trainable_variables])
         reference = _forward_backward(trainer, objective, net, micro_batch, 1.0, states[-1])
         repeated = (_forward_backward(trainer, objective, net, micro_batch, NOISE_SCALE, states[-1])
-                    .grads if repeat else [None] * len(reference.grads))
+                    .grads if relative_errors else [None] * len(reference.grads))
         order.update(dict.fromkeys(i for i in reference.calls if i in layer_tallies))
         for index in order:
             layer_tallies[index].add_float32(reference.calls.get(index, []),
@@ -694,7 +695,8 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
     hot = [layer for layer in low_layers if not layer.float32_non_finite_outputs
            and (layer.headroom_bits < MARGIN_BITS or layer.creates_non_finite)]
     hot_paths = [layer.path for layer in hot]
-    regex = "|".join(([precision.float32_layers] if precision.float32_layers else [])
+    explicit = split_auto(precision.float32_layers)[1]  # "auto|" is no pin.
+    regex = "|".join(([explicit] if explicit else [])
                      + [re.escape(path) for path in hot_paths])
     # What stays in 16 bits once the hot layers, with their sublayers, compute in float32.
     kept_layers = [layer for layer in low_layers if not _is_under(layer.path, hot_paths)]

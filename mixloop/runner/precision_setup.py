@@ -42,8 +42,9 @@ def make_loss_scale(config: ml_collections.ConfigDict, policy: Policy) -> LossSc
     float32's exponent range, so their gradients neither underflow nor overflow earlier.
     """
     kind = parse_loss_scale(config.loss_scale)
-    # "auto" starts at the default until the probe sets it (`auto_precision.start_loss_scales`).
-    initial_scale = DEFAULT_INITIAL_SCALE if config.initial_scale == AUTO else config.initial_scale
+    # "auto" starts at the default, inside the bounds, until the probe sets it (auto_precision).
+    initial_scale = (min(max(DEFAULT_INITIAL_SCALE, config.min_scale), config.max_scale)
+                     if config.initial_scale == AUTO else config.initial_scale)
     if kind == "none" or (kind == "dynamic" and policy.compute_dtype != tf.float16):
         return NoLossScale()
     if kind != "dynamic":
