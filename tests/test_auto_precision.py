@@ -336,6 +336,16 @@ def test_bad_automatic_settings_are_refused(overrides, message):
     assert message in str(raised.value)
 
 
+def test_automatic_settings_with_several_replicas_are_refused_before_anything_is_written(tmp_path):
+    workdir_path = tmp_path / "run"
+    for setting in (AUTO, {"precision.initial_scale": "auto"}, HEAL):
+        with pytest.raises(ConfigError, match=r"probe on one device, but "
+                           r"config.distribution='mirrored' gives 2 replicas; run once with "
+                           r"--config.distribution=one_device"):
+            make_trainer(tiny_experiment, None, workdir_path, distribution="mirrored", **setting)
+    assert not workdir_path.exists()
+
+
 @pytest.mark.slow
 def test_cli_places_and_scales_the_hot_experiment(tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",

@@ -119,3 +119,34 @@ def test_classes_no_loader_could_rebuild_are_named_with_the_fix(tmp_path):
     assert "@keras.saving.register_keras_serializable(package=...)" in problems[0]
     assert problems[1] == ("InMain is defined in __main__ (a script or notebook), which a loader "
                            "cannot import: move it into a module")
+
+
+class UnsavableMap(keras.layers.Layer):
+    """Applies a function given to its constructor, which no config can hold: Keras cannot save it."""
+
+    def __init__(self, fn, **kwargs):
+        super().__init__(**kwargs)
+        self.fn = fn
+
+    def call(self, inputs):
+        return self.fn(inputs)
+
+
+class UnsavableTrainer(tiny_experiment.TinyTrainer):
+    def build_model(self):
+        inputs = keras.Input((8,))
+        hidden = UnsavableMap(lambda x: 2.0 * x)(keras.layers.Dense(16)(inputs))
+        return keras.Model(inputs, keras.layers.Dense(3, name="logits")(hidden))
+
+
+def test_an_export_keras_cannot_save_is_a_warning_not_a_traceback(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    trainer = UnsavableTrainer(tiny_experiment.get_config(), str(tmp_path))
+
+    assert trainer.export() is None
+
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                 and "Could not export" in r.getMessage()]
+    assert warning.startswith("Could not export the model (the checkpoints hold the trained "
+                              "weights): NotImplementedError: ")
+    assert not {"model.keras", "model-partial.keras"} & set(os.listdir(tmp_path))

@@ -311,12 +311,16 @@ class Trainer:
         with self.ema_weights():
             export_model.set_weights(self.model.get_weights())
         path = os.path.join(self.workdir, "model.keras")
+        partial = os.path.join(self.workdir, "model-partial.keras")  # Keras needs the suffix.
         try:
-            export_model.save(path)
+            export_model.save(partial)  # Then renamed: a failed save leaves no broken model.keras.
         except (NotImplementedError, TypeError, ValueError) as error:  # A layer Keras cannot save.
+            if os.path.exists(partial):
+                os.remove(partial)
             logging.warning("Could not export the model (the checkpoints hold the trained weights): "
                             "%s: %s", type(error).__name__, _first_line(error))
             return None
+        os.replace(partial, path)
         classes = exporting.custom_classes(path)
         logging.info("Exported the float32 model to %s; load it with: %s", path,
                      exporting.loading_code(path, classes))
