@@ -24,6 +24,7 @@ from mixloop.cli import import_trainer
 from mixloop.config import ConfigError, validate
 from mixloop.runner import guard, workdir
 from mixloop.runner.precision_report import diagnose_batches, initial_scale_keeping
+from mixloop.tools.diagnose import diagnose_experiment
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 AUTO = {"precision.float32_layers": "auto"}
@@ -361,3 +362,11 @@ def test_cli_places_and_scales_the_hot_experiment(tmp_path):
     assert "precision.initial_scale=auto: the loss scale starts at" in result.stderr
     resolved = json.loads((tmp_path / "config.json").read_text())["resolved"]
     assert resolved["precision.float32_layers"] == "hot|squash"
+
+
+def test_the_doctor_diagnoses_a_workdir_with_its_recorded_placement(hot_auto):
+    [report] = diagnose_experiment(hot_auto.trainer.config, str(hot_auto.directory), num_batches=1)
+
+    dtypes = {layer.path: layer.compute_dtype for layer in report.layers}
+    assert dtypes["hot"] == dtypes["squash"] == "float32" and dtypes["body"] == "float16"
+    assert report.advice.float32_layers == [] and report.step == hot_auto.trainer.config.train.num_steps

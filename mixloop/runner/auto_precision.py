@@ -67,11 +67,7 @@ def start(trainer) -> None:
                      trainer.policy.compute_dtype.name)
         return
     auto_layers, explicit = split_auto(precision.float32_layers)
-    recorded = _recorded_regex(trainer.workdir)
-    paths = [layer.path for layer in _move(trainer, _matching_paths(trainer, recorded))]
-    if paths:
-        logging.info("Automatic precision: %s compute in float32, as config.json records "
-                     "(precision.float32_layers=%r)", ", ".join(paths), recorded)
+    recorded = apply_recorded(trainer)
     auto_scale, fresh = precision.initial_scale == AUTO, int(trainer.global_step.numpy()) == 0
     if not (auto_layers or (auto_scale and fresh)):
         return  # Healing only: the probe waits for a divergence.
@@ -119,6 +115,21 @@ def heal(trainer) -> str:
                           [layer.path for layer in found])
     _record(trainer, {FLOAT32_KEY: pinned}, reports)
     return _placement_sentence(reports[0], found, pinned, time.perf_counter() - started)
+
+
+def apply_recorded(trainer) -> str:
+    """Moves to float32 the layers config.json's `resolved` record names (what earlier probes and
+    heals chose for these weights), logging them; returns the recorded regex ('' for none).
+
+    Raises:
+      UserError: for a record that is not a valid regex.
+    """
+    recorded = _recorded_regex(trainer.workdir)
+    paths = [layer.path for layer in _move(trainer, _matching_paths(trainer, recorded))]
+    if paths:
+        logging.info("Automatic precision: %s compute in float32, as config.json records "
+                     "(precision.float32_layers=%r)", ", ".join(paths), recorded)
+    return recorded
 
 
 def check_replicas(config: Any, num_replicas: int) -> None:

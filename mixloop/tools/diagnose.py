@@ -25,6 +25,7 @@ from absl import flags, logging
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 
 from mixloop import cli
+from mixloop.runner import auto_precision
 from mixloop.runner.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, NOISE_SCALE,
                                              DtypeRange, PrecisionReport, diagnose_objectives,
                                              write_json)
@@ -46,8 +47,8 @@ flags.register_validator(
 
 def diagnose_experiment(config, workdir: str, num_batches: int, loss_scale: Optional[float] = None,
                         objective: Optional[str] = None) -> list[PrecisionReport]:
-    """Validates `config`, builds its Trainer, restores `workdir`'s latest checkpoint if any, and
-    diagnoses `objective` (by default every objective, in turn) on the same `num_batches` train
+    """Validates `config`, builds its Trainer, restores `workdir`'s latest checkpoint if any (and
+    the layer placement its config.json records, as a resumed run does), and diagnoses `objective` (by default every objective, in turn) on the same `num_batches` train
     batches; one report per objective. Writes nothing.
 
     Raises:
@@ -56,6 +57,7 @@ def diagnose_experiment(config, workdir: str, num_batches: int, loss_scale: Opti
     """
     trainer = cli.build_trainer(config, workdir)
     checkpoint = trainer.restore()
+    auto_precision.apply_recorded(trainer)  # The run's placement, when `auto` or a heal chose it.
     logging.info("Diagnosing %s", checkpoint or f"the initial weights (no checkpoint in {workdir})")
     names = list(trainer.objectives) if objective is None else [objective]
     return diagnose_objectives(trainer, names, num_batches, loss_scale)
