@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 import ml_collections
-from ml_collections.config_dict import FieldReference, placeholder
+from ml_collections.config_dict import FieldReference
 
 from mixloop.engine.policy import Policy
 from mixloop.errors import UserError
@@ -25,7 +25,7 @@ POLICIES = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 DISTRIBUTIONS = ("auto", "one_device", "mirrored", "multi_worker", "tpu")
-AUTO = "auto"  # precision.float32_layers and precision.initial_scale: found by a probe.
+AUTO = "auto"  # jit_compile, precision.float32_layers and precision.initial_scale: found by a probe.
 DEFAULT_INITIAL_SCALE = 2.0**15
 
 
@@ -39,8 +39,10 @@ def base_config() -> ml_collections.ConfigDict:
     config.trainer = ""  # Import path of the Trainer subclass, "package.module.ClassName".
     config.seed = 0  # Seeds Python, NumPy, TensorFlow and Keras.
     config.deterministic = False  # Deterministic kernels: a resumed run ends bit-identical.
-    # Compile the train step with XLA: True, False, or None (auto): on with one replica, off with several.
-    config.jit_compile = placeholder(bool)
+    # Compile the train step with XLA: True, False (TensorFlow's graph kernels), or "auto": the faster
+    # of the two, timed at the start of a run of 250 updates or more (XLA for a shorter one; several
+    # replicas: without XLA); config.json records the choice and a resume keeps it.
+    config.jit_compile = FieldReference(AUTO, field_type=object)
     config.distribution = "auto"  # auto, one_device, mirrored, multi_worker (TF_CONFIG) or tpu.
 
     config.precision = ml_collections.ConfigDict()
@@ -177,8 +179,8 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
     p, t, o = config.precision, config.train, config.optimizer
     _require(isinstance(config.trainer, str) and bool(config.trainer), "trainer", config.trainer,
              "the import path of a Trainer subclass, e.g. 'experiments.charlm.CharLMTrainer'")
-    _require(config.jit_compile is None or isinstance(config.jit_compile, bool), "jit_compile",
-             config.jit_compile, "True, False, or None (auto: XLA with one replica)")
+    _require(isinstance(config.jit_compile, bool) or config.jit_compile == AUTO, "jit_compile",
+             config.jit_compile, "True, False, or 'auto' (the faster, measured at the start)")
     _require(config.distribution in DISTRIBUTIONS, "distribution", config.distribution,
              f"one of {', '.join(DISTRIBUTIONS)}")
     _require(p.policy == "auto" or _parses_as_policy(p.policy), "precision.policy", p.policy,

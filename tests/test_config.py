@@ -83,16 +83,16 @@ def test_explicit_policy_strings_are_accepted():
     validate(config)
 
 
-def test_jit_compile_is_true_false_or_unset_for_auto():
+def test_jit_compile_is_true_false_or_auto_by_default():
     config = valid_config()
-    assert config.jit_compile is None
-    for value in (True, False):
+    assert config.jit_compile == "auto"
+    for value in (True, False, "auto"):
         config.jit_compile = value
         validate(config)
-    with config.ignore_type():
-        config.jit_compile = "yes"
-    with pytest.raises(ConfigError, match=r"config.jit_compile='yes' is not allowed: True, False, or None"):
-        validate(config)
+    for value in ("yes", None):
+        config.jit_compile = value
+        with pytest.raises(ConfigError, match=r"config.jit_compile=.* is not allowed: True, False, or 'auto'"):
+            validate(config)
 
 
 @pytest.mark.parametrize("seed", [-1, -100])

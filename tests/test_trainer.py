@@ -14,7 +14,7 @@ from mixloop.config import ConfigError
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.errors import UserError
 from mixloop.runner.precision_setup import make_loss_scale, make_policy
-from mixloop.runner.trainer import resolve_jit_compile
+from mixloop.runner import compile_mode
 
 TRAIN_TAGS = {"loss", "loss_scale", "skipped_steps", "skipped_total", "grad_norm", "learning_rate",
               "steps_per_sec", "examples_per_sec"}
@@ -128,16 +128,21 @@ def test_xla_with_replicas_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("jit_compile, num_replicas, expected", [
-    (None, 1, True), (None, 2, False), (True, 1, True), (False, 1, False), (False, 2, False),
+    ("auto", 1, None), ("auto", 2, False), (True, 1, True), (False, 1, False), (False, 2, False),
 ])
-def test_xla_is_as_configured_or_by_default_on_with_one_replica(jit_compile, num_replicas, expected):
-    assert resolve_jit_compile(jit_compile, num_replicas) is expected
+def test_xla_is_as_configured_measured_with_one_replica_and_off_with_two(jit_compile, num_replicas,
+                                                                          expected):
+    assert compile_mode.configured(jit_compile, num_replicas)[0] is expected
 
 
-def test_the_default_step_compiles_with_xla_on_one_device_and_without_on_two(tmp_path):
+def test_a_short_default_run_compiles_with_xla_on_one_device_and_without_on_two(tmp_path):
     one = make_trainer(tmp_path / "one")
     two = make_trainer(tmp_path / "two", distribution="mirrored")
-    assert one.jit_compile and one.train_step._compiled._jit_compile
+    assert one.jit_compile is None and not two.jit_compile
+    one.train()
+    two.train()
+    # Two micro-batches: with XLA, the loop's body is what XLA compiles.
+    assert one.jit_compile and one.train_step._add_micro_batch_fn._jit_compile
     assert not two.jit_compile and not two.train_step._compiled._jit_compile
 
 

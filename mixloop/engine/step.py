@@ -152,9 +152,37 @@ class TrainStep:
         self.recompile()
 
     def recompile(self) -> None:
-        """Forgets the traced step, so the next call traces it anew: after a layer's dtype policy
-        changed (the automatic placement moving a layer to float32), as tracing reads it."""
-        self._compiled = tf.function(self.step, jit_compile=self.jit_compile)
+        """Forgets the traced step in both compile modes, so the next call traces it anew: after a
+        layer's dtype policy changed (the automatic placement moving a layer to float32), as
+        tracing reads it."""
+        self._compiled_by_mode: dict[bool, tuple[Callable, Callable]] = {}
+
+    @property
+    def _compiled(self) -> Callable:
+        """The step compiled in the current mode (`jit_compile`); each mode's is traced once and kept,
+        so switching modes back and forth (`compile_mode`'s probe) traces nothing again."""
+        if self.jit_compile not in self._compiled_by_mode:
+            self._compiled_by_mode[self.jit_compile] = self._compile(self.jit_compile)
+        return self._compiled_by_mode[self.jit_compile][0]
+
+    @property
+    def _add_micro_batch_fn(self) -> Callable:
+        self._compiled  # Made together.
+        return self._compiled_by_mode[self.jit_compile][1]
+
+    def _compile(self, jit_compile: bool) -> tuple[Callable, Callable]:
+        """(the step, the body of its micro-batch loop) as `tf.function`s, with or without XLA.
+
+        With XLA and several micro-batches, the micro-batch loop stays in the graph and XLA
+        compiles its body (the forward, backward and accumulation of one micro-batch) on its own:
+        XLA on a CPU runs a convolution's backward pass 20-35x slower inside a compiled while loop
+        than outside one (openxla's CPU backend, as jax-ml/jax#12868 reports for the forward), which
+        made a small GAN's step with 2 micro-batches 12x slower than with one.
+        """
+        loop_in_graph = jit_compile and self.accumulation_steps > 1
+        return (tf.function(self.step, jit_compile=jit_compile and not loop_in_graph),
+                tf.function(self._add_micro_batch, jit_compile=True) if loop_in_graph
+                else self._add_micro_batch)
 
     def __call__(self, batch: Batch) -> dict[str, Any]:
         """Runs the compiled step on one global batch.
@@ -228,13 +256,11 @@ class TrainStep:
             return self._micro_step(batch)
         micro_batches = split_micro_batches(batch, self.accumulation_steps)
 
-        def micro_batch(i):
-            return tf.nest.map_structure(lambda t: t[i], micro_batches)
-
         def body(i, accumulated):
-            return i + 1, tf.nest.map_structure(tf.add, accumulated, self._micro_step(micro_batch(i)))
+            return i + 1, self._add_micro_batch_fn(micro_batches, i, accumulated)
 
-        names = self.metric_names(tf.nest.map_structure(tf.TensorSpec.from_tensor, micro_batch(0)))
+        names = self.metric_names(tf.nest.map_structure(
+            lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro_batches))
         zeros = ({name: [tf.zeros(v.shape, tf.float32) for v in objective.variables]
                   for name, objective in self.objectives.items()},
                  {name: _weighted_sums(Loss(0.0, 0.0, {metric: 0.0 for metric in names[name]}))
@@ -242,6 +268,11 @@ class TrainStep:
         _, (grads, sums) = tf.while_loop(
             lambda i, *_: i < self.accumulation_steps, body, (tf.constant(0), zeros))
         return grads, sums
+
+    def _add_micro_batch(self, micro_batches: Batch, index: tf.Tensor, accumulated: tuple) -> tuple:
+        """`accumulated` (gradients and sums) plus those of micro-batch `index` of `micro_batches`."""
+        micro_batch = tf.nest.map_structure(lambda t: t[index], micro_batches)
+        return tf.nest.map_structure(tf.add, accumulated, self._micro_step(micro_batch))
 
     def metric_names(self, batch_spec: Any) -> dict[str, list[str]]:
         """Per objective, the names of the metrics `loss_fn` returns beside its loss, for batches of

@@ -40,10 +40,13 @@ class Runnable(Protocol):
     state: Any  # state.RunState: per-objective skip counters.
     objectives: dict  # Name -> engine.objective.Objective (loss scale, optimizer).
     eval_data: Optional[tf.data.Dataset]
-    jit_compile: bool
+    jit_compile: Optional[bool]  # None until choose_compile_mode decides (jit_compile="auto").
 
     def train_loop(self, num_steps: int) -> dict[str, Any]:
         """Up to `num_steps` updates in one compiled call; per-objective totals as NumPy."""
+
+    def choose_compile_mode(self) -> None:
+        """Decides XLA or not for jit_compile="auto", leaving the state as it was."""
 
     def evaluate(self) -> dict[str, float]:
         """The eval metrics (with the EMA weights when on)."""
@@ -134,6 +137,7 @@ def train(trainer: Runnable) -> dict[str, float]:
         if trainer.is_chief:
             workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
         trainer.start_precision()  # From the restored weights, before the first trace.
+        trainer.choose_compile_mode()  # After the placement, which changes what is compiled.
         metrics, reason = _run_loops(trainer, actions, stop)
         step = int(trainer.global_step.numpy())
         _save(trainer, step)

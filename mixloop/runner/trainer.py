@@ -24,8 +24,8 @@ from mixloop.engine.loss import as_losses
 from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
 from mixloop.engine.step import Batch, TrainStep, default_input_fn, forward, masked_paths
 from mixloop.errors import UserError
-from mixloop.runner import (auto_precision, checkpointing, controller, distribution, exporting, guard,
-                            optimizers, precision_setup, reporting, train_data)
+from mixloop.runner import (auto_precision, checkpointing, compile_mode, controller, distribution,
+                            exporting, guard, optimizers, precision_setup, reporting, train_data)
 from mixloop.runner.actions import Action
 from mixloop.runner.state import RunState
 
@@ -44,11 +44,14 @@ class Trainer:
         self.is_chief = distribution.is_chief(self.strategy)
         _check_replica_batch(config, self.strategy.num_replicas_in_sync)
         auto_precision.check_replicas(config, self.strategy.num_replicas_in_sync)
-        self.jit_compile = resolve_jit_compile(config.jit_compile, self.strategy.num_replicas_in_sync)
+        # None until `choose_compile_mode` measures it (jit_compile="auto").
+        self.jit_compile, compile_reason = compile_mode.configured(
+            config.jit_compile, self.strategy.num_replicas_in_sync)
         self.policy, policy_reason = precision_setup.make_policy(config.precision.policy)
         logging.info("%s (%s); %s; train step %s", policy_reason, self.policy,
                      distribution.describe(self.strategy),
-                     "compiled with XLA" if self.jit_compile else "without XLA")
+                     compile_reason if self.jit_compile is None
+                     else f"{compile_mode.describe(self.jit_compile)} ({compile_reason})")
         with self.strategy.scope():
             with layer_precision.building_under(self.policy):
                 self.model = self.build_model()
@@ -65,7 +68,7 @@ class Trainer:
                 policy=self.policy,
                 accumulation_steps=config.train.accumulation_steps,
                 clip_global_norm=config.train.clip_global_norm or None,
-                jit_compile=self.jit_compile,
+                jit_compile=self.jit_compile is not False,  # Until measured: XLA.
                 input_fn=self.model_inputs,
                 ema_decay=config.train.ema_decay,
             )
@@ -160,18 +163,33 @@ class Trainer:
 
     # ----- What the framework owns. -----
 
-    def train_loop(self, num_steps: int) -> dict[str, Any]:
-        """Runs up to `num_steps` updates in one compiled call; returns the loop's totals as NumPy
-        values (see `_inner_loop`). The controller calls this; a TensorFlow op error propagates."""
-        totals = self._train_loop(self.train_iterator, tf.constant(num_steps))
+    def train_loop(self, num_steps: int, iterator: Any = None) -> dict[str, Any]:
+        """Runs up to `num_steps` updates in one compiled call on the run's train iterator (or
+        `iterator`); returns the loop's totals as NumPy values (see `_inner_loop`). The controller
+        calls this; a TensorFlow op error propagates. With jit_compile="auto" the first call
+        measures the compile mode (`choose_compile_mode`) unless the controller did."""
+        self.choose_compile_mode()
+        loop = self._train_loops.setdefault(self.jit_compile, tf.function(self._inner_loop))
+        totals = loop(self.train_iterator if iterator is None else iterator, tf.constant(num_steps))
         return tf.nest.map_structure(lambda value: value.numpy(), totals)
 
     def compile_loops(self) -> None:
         """Makes the compiled inner loop, train step and eval step anew: they trace on their next
         call. After a layer moved to float32 (healing), as tracing reads the layers' dtypes."""
         self.train_step.recompile()
-        self._train_loop = tf.function(self._inner_loop)
+        self._train_loops: dict[bool, Any] = {}  # Per compile mode: each traced once, then kept.
         self._eval_step = tf.function(self._eval_batch)
+
+    def choose_compile_mode(self) -> None:
+        """Decides `jit_compile` for config.jit_compile="auto" (`compile_mode.choose`: recorded in
+        the workdir, a rule, or timing both modes from the current state, which it leaves as it
+        was); the controller calls it after `start_precision`. Does nothing once decided."""
+        compile_mode.choose(self)
+
+    def set_jit_compile(self, jit_compile: bool) -> None:
+        """Runs the train step with XLA or without from the next loop on (each mode traced once)."""
+        self.jit_compile = jit_compile
+        self.train_step.jit_compile = jit_compile
 
     def start_precision(self) -> None:
         """Applies `precision.float32_layers=auto` and `initial_scale=auto` from a probe of the
@@ -288,8 +306,20 @@ class Trainer:
 
     def restore_weights(self, path: str) -> None:
         """Restores model, optimizer, loss scale and counters from `path`, but not the data position."""
-        weights = {name: value for name, value in self.checkpointed.items() if name != "train_iterator"}
-        tf.train.Checkpoint(**weights).restore(path).expect_partial()
+        self._weights_checkpoint().restore(path).expect_partial()
+
+    def save_state(self, path: str) -> str:
+        """Writes all a checkpoint holds, the data position too, to `path` (outside the run's
+        checkpoints: the compile-mode probe's way back); returns the path `restore_state` reads."""
+        return tf.train.Checkpoint(**self.checkpointed).write(path)
+
+    def restore_state(self, path: str) -> None:
+        """Puts back all that `save_state` wrote to `path`."""
+        tf.train.Checkpoint(**self.checkpointed).restore(path).expect_partial()
+
+    def _weights_checkpoint(self) -> tf.train.Checkpoint:
+        return tf.train.Checkpoint(**{name: value for name, value in self.checkpointed.items()
+                                      if name != "train_iterator"})
 
     def nonfinite_variable_paths(self, objective: str = SINGLE) -> list[str]:
         """Paths of the variables whose gradients were non-finite first in the latest skip streak
@@ -452,21 +482,3 @@ def _check_replica_batch(config: ml_collections.ConfigDict, num_replicas: int) -
             f"config.train.batch_size={train.batch_size} does not split into {num_replicas} "
             f"replica(s) x {train.accumulation_steps} micro-batches (train.accumulation_steps)")
 
-
-def resolve_jit_compile(jit_compile: Optional[bool], num_replicas: int) -> bool:
-    """Whether the train step compiles with XLA: as configured, or when unset (None) with one replica.
-
-    XLA fuses the step's many small ops (casts, norms, the optimizer's per-variable arithmetic),
-    which on a CPU is worth more than Keras's own rule (XLA only off the CPU) assumes: see the
-    benchmark's `jit_compile` row. With several replicas the step calls `strategy.run`, which XLA
-    does not compile here.
-
-    Raises:
-      ConfigError: for jit_compile=True with more than one replica.
-    """
-    if jit_compile is None:
-        return num_replicas == 1
-    if jit_compile and num_replicas > 1:
-        raise ConfigError("config.jit_compile=True is not supported with more than one replica yet; "
-                          "set it to False or leave it unset (None: XLA with one replica only)")
-    return jit_compile

@@ -1,0 +1,125 @@
+"""jit_compile="auto": the probe's choice (with its measurement pinned), its record, and a run it
+leaves exactly as a run configured in the chosen mode."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tiny_experiment
+
+from mixloop.runner import compile_mode
+
+
+def make_trainer(workdir, **overrides):
+    config = tiny_experiment.get_config()
+    config.train.num_steps = 20
+    for key, value in overrides.items():
+        section, _, field = key.rpartition(".")
+        (config[section] if section else config)[field] = value
+    return tiny_experiment.TinyTrainer(config, str(workdir))
+
+
+@pytest.fixture
+def pinned_speeds(monkeypatch):
+    """The probe measures every run, however short, and sees the speeds the test sets: seconds per
+    loop by mode ({True: XLA, False: graph}). The loops still run. Yields the modes timed."""
+    monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
+    seconds, timed = {True: 1.0, False: 1.0}, []
+
+    def seconds_of_loop(trainer, iterator, num_updates):
+        trainer.train_loop(num_updates, iterator)
+        timed.append(trainer.jit_compile)
+        return seconds[trainer.jit_compile]
+
+    monkeypatch.setattr(compile_mode, "seconds_of_loop", seconds_of_loop)
+    yield seconds, timed
+
+
+def resolved(workdir):
+    with open(os.path.join(workdir, "config.json")) as f:
+        return json.load(f)["resolved"]
+
+
+@pytest.mark.parametrize("xla_seconds, graph_seconds, expected", [(5.0, 1.0, False), (1.0, 5.0, True)])
+def test_auto_picks_the_faster_mode_and_records_it(tmp_path, pinned_speeds, xla_seconds,
+                                                   graph_seconds, expected):
+    seconds, timed = pinned_speeds
+    seconds.update({True: xla_seconds, False: graph_seconds})
+    trainer = make_trainer(tmp_path)
+    trainer.train()
+    assert trainer.jit_compile is expected and trainer.train_step.jit_compile is expected
+    # tiny_experiment accumulates 2 micro-batches: XLA compiles the loop's body.
+    assert getattr(trainer.train_step._add_micro_batch_fn, "_jit_compile", False) is expected
+    assert sorted(set(timed)) == [False, True] and timed.count(True) == timed.count(False)
+    assert resolved(tmp_path) == {"jit_compile": expected}
+
+
+@pytest.mark.parametrize("xla_seconds, graph_seconds, chosen", [(5.0, 1.0, False), (1.0, 5.0, True)])
+def test_the_probe_leaves_the_run_bit_identical_to_one_configured_in_the_chosen_mode(
+        tmp_path, pinned_speeds, xla_seconds, graph_seconds, chosen):
+    pinned_speeds[0].update({True: xla_seconds, False: graph_seconds})
+    probed = make_trainer(tmp_path / "auto")
+    probed_metrics = probed.train()
+    explicit = make_trainer(tmp_path / "explicit", jit_compile=chosen)
+    explicit_metrics = explicit.train()
+    assert probed.jit_compile is chosen
+    assert int(probed.global_step.numpy()) == int(explicit.global_step.numpy()) == 20
+    for a, b in zip(probed.model.get_weights(), explicit.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(probed.objectives["model"].optimizer.variables,
+                    explicit.objectives["model"].optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    timing = {"steps_per_sec", "examples_per_sec"}
+    assert ({k: v for k, v in probed_metrics.items() if k not in timing}
+            == {k: v for k, v in explicit_metrics.items() if k not in timing})
+    assert "eval_loss" in probed_metrics
+
+
+def test_a_resume_reuses_the_recorded_choice_without_probing(tmp_path, pinned_speeds):
+    seconds, timed = pinned_speeds
+    seconds.update({True: 5.0, False: 1.0})
+    make_trainer(tmp_path).train()
+    assert resolved(tmp_path) == {"jit_compile": False}
+    seconds.update({True: 1.0, False: 5.0})  # XLA would now win, but the record stands.
+    timed.clear()
+    resumed = make_trainer(tmp_path, **{"train.num_steps": 30})
+    resumed.train()
+    assert int(resumed.global_step.numpy()) == 30
+    assert resumed.jit_compile is False and timed == []
+    assert resolved(tmp_path) == {"jit_compile": False}
+
+
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_an_explicit_mode_is_never_probed_or_overridden(tmp_path, pinned_speeds, jit_compile):
+    seconds, timed = pinned_speeds
+    seconds.update({jit_compile: 5.0, not jit_compile: 1.0})  # The other mode would be faster.
+    trainer = make_trainer(tmp_path, jit_compile=jit_compile)
+    trainer.train()
+    assert trainer.jit_compile is jit_compile and timed == []
+    assert getattr(trainer.train_step._add_micro_batch_fn, "_jit_compile", False) is jit_compile
+    assert "resolved" not in json.load(open(tmp_path / "config.json"))
+
+
+def test_a_short_run_takes_xla_unprobed_and_several_replicas_graph_mode(tmp_path):
+    short = make_trainer(tmp_path / "short")  # 20 updates, under MIN_PROBED_UPDATES.
+    short.train()
+    assert short.jit_compile is True
+    mirrored = make_trainer(tmp_path / "mirrored", distribution="mirrored")
+    assert mirrored.jit_compile is False  # Decided at construction: XLA does not compile replicas.
+
+
+def test_a_mode_that_fails_to_run_leaves_the_other(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
+    real = compile_mode.seconds_of_loop
+
+    def xla_fails(trainer, iterator, num_updates):
+        if trainer.jit_compile:
+            import tensorflow as tf
+            raise tf.errors.UnimplementedError(None, None, "no XLA kernel for this op")
+        return real(trainer, iterator, num_updates)
+
+    monkeypatch.setattr(compile_mode, "seconds_of_loop", xla_fails)
+    trainer = make_trainer(tmp_path)
+    trainer.train()
+    assert trainer.jit_compile is False and int(trainer.global_step.numpy()) == 20
