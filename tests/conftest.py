@@ -4,6 +4,11 @@ import os
 
 # Set before TensorFlow is first imported, so its C++ start-up logging stays quiet.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One core's worth of threads per pytest-xdist worker (and the CLI runs it starts, which inherit
+    # the environment): two workers each running TensorFlow's default pools of one thread per core
+    # oversubscribe the two cores.
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

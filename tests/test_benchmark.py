@@ -34,13 +34,23 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
 
     report = json.loads(output.read_text())
     names = [row["name"] for row in report["variants"]]
-    assert names == ["keras-fit", "keras-fit-tuned", "bare", "mixloop",
+    # jit_compile=auto: the configured run (mixed_float16) in the mode the probe picked; every
+    # policy in both modes; each variant named by what differs from the configured run.
+    auto = report["auto_compile_mode"]
+    xla, other = auto["xla"], f"jit_compile={not auto['xla']}"
+    assert auto["examples_per_sec"]["xla"] > 0 and auto["examples_per_sec"]["graph"] > 0
+    assert auto["xla"] is (auto["examples_per_sec"]["xla"] > auto["examples_per_sec"]["graph"])
+    assert names == ["keras-fit", "keras-fit-tuned", "bare", f"bare {other}", "mixloop",
                      "mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
-                     "mixloop accumulation_steps=8", "mixloop policy=float32",
-                     "mixloop policy=mixed_bfloat16", "mixloop policy=mixed_float16 loss_scale=none",
-                     "mixloop jit_compile=False", "mixloop ema_decay=0.999", "mixloop +metric"]
-    # XLA: fit leaves it off on a CPU, the tuned fit turns it on, bare follows the Trainer's default.
-    assert [row["xla"] for row in report["variants"]] == [False] + [True] * 9 + [False] + [True] * 2
+                     "mixloop accumulation_steps=8", *[f"mixloop policy=float32{mode}" for mode in (
+                         ["", f" {other}"] if xla else [f" {other}", ""])],
+                     f"mixloop {other}", *[f"mixloop policy=mixed_bfloat16{mode}" for mode in (
+                         ["", f" {other}"] if xla else [f" {other}", ""])],
+                     "mixloop loss_scale=none", "mixloop ema_decay=0.999", "mixloop +metric"]
+    # XLA: fit leaves it off on a CPU, the tuned fit turns it on, the rest as the probe picked
+    # unless named for the other mode.
+    assert [row["xla"] for row in report["variants"]] == [False, True] + [
+        (not xla) if other in name else xla for name in names[2:]]
     assert report["repeats"] == 3 and report["quick"] is True
     assert report["updates_per_repeat"] == 5 and report["examples_per_repeat"] == 5 * 32
     for row in report["variants"]:
@@ -54,6 +64,8 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
     assert "| variant | policy | accumulation | loss scale | XLA | examples/s |" in result.stdout
     assert [line.split("|")[1].strip() for line in table if line.startswith("| ")][1:] == names
     assert "mixloop/keras-fit" in table[-1] and "k8/k1" in table[-1]
+    assert table[-3].startswith("16-bit vs float32, each in its faster compile mode: mixed_bfloat16 ")
+    assert "jit_compile=auto picks" in table[-3]
 
 
 @pytest.mark.slow
@@ -67,29 +79,37 @@ def test_a_variant_that_does_not_fit_is_one_line_and_exit_2():
 
 
 @pytest.mark.parametrize("policy, loss_scale, expected", [
-    ("mixed_float16", "dynamic", ["mixloop policy=mixed_bfloat16",
-                                  "mixloop policy=mixed_float16 loss_scale=none"]),
-    ("mixed_bfloat16", "dynamic", ["mixloop policy=mixed_float16",
+    ("mixed_float16", "dynamic", ["mixloop policy=float32", "mixloop policy=float32 jit_compile=False",
+                                  "mixloop jit_compile=False", "mixloop policy=mixed_bfloat16",
+                                  "mixloop policy=mixed_bfloat16 jit_compile=False",
+                                  "mixloop loss_scale=none"]),
+    ("mixed_bfloat16", "dynamic", ["mixloop policy=float32", "mixloop policy=float32 jit_compile=False",
+                                   "mixloop policy=mixed_float16",
+                                   "mixloop policy=mixed_float16 jit_compile=False",
+                                   "mixloop jit_compile=False",
                                    "mixloop policy=mixed_float16 loss_scale=none"]),
-    ("float32", "none", ["mixloop policy=mixed_float16",
+    ("float32", "none", ["mixloop jit_compile=False", "mixloop policy=mixed_float16",
+                         "mixloop policy=mixed_float16 jit_compile=False",
                          "mixloop policy=mixed_bfloat16",
+                         "mixloop policy=mixed_bfloat16 jit_compile=False",
                          "mixloop policy=mixed_float16 loss_scale=dynamic"]),
 ])
-def test_variations_change_one_setting_and_skip_what_the_configured_run_measures(
+def test_variations_change_settings_and_skip_what_the_configured_run_measures(
         policy, loss_scale, expected):
     config = tiny_experiment.get_config()
     config.precision.policy, config.precision.loss_scale = policy, loss_scale
+    config.jit_compile = True
     names = list(benchmark.mixloop_configs(config))
     accumulation = ["mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
                     "mixloop accumulation_steps=8"]
-    policies = [] if policy == "float32" else ["mixloop policy=float32"]
-    assert names == ["mixloop", *accumulation, *policies, *expected, "mixloop jit_compile=False"]
+    assert names == ["mixloop", *accumulation, *expected]
 
 
-def test_with_xla_off_the_variation_turns_it_on():
+def test_with_xla_off_the_variations_turn_it_on():
     config = tiny_experiment.get_config()
     config.jit_compile = False
-    assert list(benchmark.mixloop_configs(config))[-1] == "mixloop jit_compile=True"
+    names = list(benchmark.mixloop_configs(config))
+    assert "mixloop jit_compile=True" in names and "mixloop policy=float32 jit_compile=True" in names
 
 
 def test_ratios_pair_repeats_before_taking_the_median():
@@ -100,6 +120,29 @@ def test_ratios_pair_repeats_before_taking_the_median():
     # the median speeds would say 1.
     fast, slow = variant([1.0, 4.0, 4.0]), variant([2.0, 8.0, 2.0])
     assert benchmark.pairwise_ratio(fast, slow) == 2.0
+
+
+def test_a_policy_is_compared_with_float32_each_in_its_faster_compile_mode():
+    def variant(name, policy, xla, seconds, scale="none"):
+        return benchmark.Variant(name, policy, 2, scale, xla, run_fn=lambda: None, seconds=seconds)
+
+    variants = [
+        variant("mixloop", "float32", True, [2.0, 2.0, 2.0]),
+        variant("mixloop jit_compile=False", "float32", False, [2.5, 2.5, 2.5]),
+        variant("mixloop policy=mixed_bfloat16", "mixed_bfloat16", True, [3.0, 3.0, 3.0]),
+        variant("mixloop policy=mixed_bfloat16 jit_compile=False", "mixed_bfloat16", False,
+                [1.0, 1.25, 1.0]),
+        variant("mixloop policy=mixed_float16", "mixed_float16", True, [4.0, 4.0, 4.0], "dynamic"),
+        variant("mixloop policy=mixed_float16 loss_scale=none", "mixed_float16", True,
+                [1.0, 1.0, 1.0]),  # Faster, but not the dynamic scale a float16 run uses.
+        variant("mixloop +metric", "mixed_bfloat16", False, [0.5, 0.5, 0.5]),  # Not a mode variant.
+    ]
+    assert benchmark.fastest_mode(variants, policy="float32").name == "mixloop"
+    best = benchmark.fastest_mode(variants, policy="mixed_bfloat16")
+    assert best.name == "mixloop policy=mixed_bfloat16 jit_compile=False"
+    assert benchmark.pairwise_ratio(best, variants[0]) == 2.0  # Repeats: 2, 1.6, 2.
+    assert benchmark.fastest_mode(variants, policy="mixed_float16",
+                                  loss_scale="dynamic").name == "mixloop policy=mixed_float16"
 
 
 def make_trainer(workdir, **overrides):
@@ -126,8 +169,10 @@ def test_the_inner_loop_and_the_step_are_traced_once_over_a_whole_run(tmp_path):
 
 
 def test_python_enters_the_inner_loop_once_per_loop_and_the_loop_holds_no_python(tmp_path):
-    trainer = make_trainer(tmp_path, **{"train.num_steps": 40, "train.steps_per_loop": 10,
-                                        "train.log_every_steps": 20})
+    config = tiny_experiment.get_config()
+    config.train.num_steps, config.train.steps_per_loop, config.train.log_every_steps = 40, 10, 20
+    config.jit_compile = True  # Decided before the run: the loop below is the one it calls.
+    trainer = tiny_experiment.TinyTrainer(config, str(tmp_path))
     compiled_loop, loop_lengths = trainer._train_loop, []
 
     def counted_loop(iterator, num_steps):

@@ -359,11 +359,16 @@ def test_jit_compile_gives_the_same_results(policy):
             [v.numpy() for v in step.model.trainable_variables],
         )
     assert runs[True][0] == runs[False][0] == [(True, 1024.0), (True, 1024.0), (False, 2048.0), (True, 1024.0)]
-    # Measured on CPU: losses within 1.1e-7 relative, weights within 6e-8, in both policies. The
-    # bounds leave room for XLA fusing differently, and are 1e-4 of Adam's 1e-2 steps.
-    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
+    # Measured on CPU: in float32, losses within 1.1e-7 relative and weights within 6e-8 (1e-4 and
+    # 1e-6 leave room for XLA fusing differently). In float16, XLA compiles the micro-batch body
+    # apart (TrainStep.recompile) and rounds its float16 arithmetic differently from graph mode:
+    # losses within 1.5e-5 relative (float16 rounds at 4.9e-4) and weights within 2.0e-4 after 4
+    # Adam steps of 1e-2 (Adam divides by the gradient's own scale, which carries the rounding
+    # into the update); the bounds are 1e-4 and a tenth of one step.
+    float32 = policy == "float32"
+    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5 if float32 else 1e-4)
     for xla, graph in zip(runs[True][2], runs[False][2]):
-        np.testing.assert_allclose(xla, graph, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(xla, graph, rtol=0, atol=1e-6 if float32 else 1e-3)
 
 
 # 9: token-weighted losses are averaged over all tokens of all micro-batches.

@@ -87,7 +87,7 @@ def choose(trainer) -> None:
                      "--config.jit_compile=False runs it without XLA", unprobed)
         return
     try:
-        speeds, probe_seconds = _probe(trainer)
+        speeds, probe_seconds = measure(trainer)
     except tf.errors.OutOfRangeError:
         trainer.set_jit_compile(True)
         logging.info("Train step with XLA: the train data ended before jit_compile=auto could time "
@@ -109,9 +109,9 @@ def choose(trainer) -> None:
         workdir.record_resolved(trainer.workdir, {KEY: chosen})
 
 
-def _probe(trainer) -> tuple[dict[bool, float], float]:
-    """({XLA: examples/s, graph: examples/s}, the probe's seconds), measured from the current state,
-    which is left as it was."""
+def measure(trainer) -> tuple[dict[bool, float], float]:
+    """The probe: ({XLA: examples/s, graph: examples/s}, its seconds), timed from the trainer's
+    current state, which it leaves as it was (the benchmark reports it too)."""
     started = time.perf_counter()
     iterator = trainer.train_iterator
     with tempfile.TemporaryDirectory(prefix="mixloop-compile-probe-") as directory:

@@ -68,7 +68,7 @@ class Trainer:
                 policy=self.policy,
                 accumulation_steps=config.train.accumulation_steps,
                 clip_global_norm=config.train.clip_global_norm or None,
-                jit_compile=self.jit_compile is not False,  # Until measured: XLA.
+                jit_compile=self.jit_compile is not False,
                 input_fn=self.model_inputs,
                 ema_decay=config.train.ema_decay,
             )
@@ -169,15 +169,16 @@ class Trainer:
         calls this; a TensorFlow op error propagates. With jit_compile="auto" the first call
         measures the compile mode (`choose_compile_mode`) unless the controller did."""
         self.choose_compile_mode()
-        loop = self._train_loops.setdefault(self.jit_compile, tf.function(self._inner_loop))
-        totals = loop(self.train_iterator if iterator is None else iterator, tf.constant(num_steps))
+        totals = self._train_loop(self.train_iterator if iterator is None else iterator,
+                                  tf.constant(num_steps))
         return tf.nest.map_structure(lambda value: value.numpy(), totals)
 
     def compile_loops(self) -> None:
         """Makes the compiled inner loop, train step and eval step anew: they trace on their next
         call. After a layer moved to float32 (healing), as tracing reads the layers' dtypes."""
         self.train_step.recompile()
-        self._train_loops: dict[bool, Any] = {}  # Per compile mode: each traced once, then kept.
+        self._train_loops: dict[Optional[bool], Any] = {}  # Per compile mode: traced once, kept.
+        self.set_jit_compile(self.jit_compile)
         self._eval_step = tf.function(self._eval_batch)
 
     def choose_compile_mode(self) -> None:
@@ -189,7 +190,8 @@ class Trainer:
     def set_jit_compile(self, jit_compile: bool) -> None:
         """Runs the train step with XLA or without from the next loop on (each mode traced once)."""
         self.jit_compile = jit_compile
-        self.train_step.jit_compile = jit_compile
+        self.train_step.jit_compile = jit_compile is not False  # Until measured: XLA.
+        self._train_loop = self._train_loops.setdefault(jit_compile, tf.function(self._inner_loop))
 
     def start_precision(self) -> None:
         """Applies `precision.float32_layers=auto` and `initial_scale=auto` from a probe of the

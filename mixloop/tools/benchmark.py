@@ -9,13 +9,16 @@ times, in one process, the same optimizer updates on the same batches done sever
                      (on a CPU-only machine Keras leaves XLA off)
     keras-fit-tuned  the same with jit_compile=True and steps_per_execution=train.steps_per_loop
     bare             a hand-written tf.function loop: forward, loss, gradient, clipping and update in
-                     the same precision, with XLA as the Trainer's step; no loss scale, no
-                     accumulation, no metrics. The floor.
-    mixloop          the configured Trainer's compiled inner loop, called as the outer loop calls it
-    mixloop KEY=...  the same with one setting changed: accumulation_steps 1, 4 and 8 (same global
-                     batch); policy float32, mixed_float16 and mixed_bfloat16; loss_scale dynamic and
-                     none in float16 (the only dtype where a dynamic scale does anything); jit_compile
-                     the other way round; ema_decay on (0.999) or off, whichever it is not
+                     the same precision, compiled as the Trainer's step; no loss scale, no
+                     accumulation, no metrics. The floor; `bare jit_compile=...` is the same in the
+                     other compile mode, the floor of the variants compiled that way
+    mixloop          the configured Trainer's compiled inner loop, called as the outer loop calls it;
+                     with jit_compile="auto", in the mode the run's own probe (`compile_mode`) picks
+    mixloop KEY=...  the same with settings changed: accumulation_steps 1, 4 and 8 (same global
+                     batch); policy float32, mixed_float16 and mixed_bfloat16, each with and without
+                     XLA; loss_scale dynamic and none in float16 (the only dtype where a dynamic scale
+                     does anything); jit_compile the other way round; ema_decay on (0.999) or off,
+                     whichever it is not
     mixloop +metric  the configured run with one more train metric (the mean of the model's first
                      output: a reduction over the logits, weighted and summed like any metric)
 
@@ -23,8 +26,10 @@ Every variant is built and warmed up first, which traces all it will run. Then t
 interleaved (A B C ... A B C ...), so a busy neighbour slows every variant alike. A repeat is
 `train.steps_per_loop` updates of `train.batch_size` examples (the same batches for every variant),
 timed with `perf_counter` until its last result is read back to the host. The table prints each
-variant's median examples/s and the median over repeats of its ratio to keras-fit and to bare;
-`--output` writes the same, and the headline ratios, as JSON. The benchmark needs one replica.
+variant's median examples/s and the median over repeats of its ratio to keras-fit and to the bare
+loop of its compile mode; then the headline: each 16-bit policy against float32, each in its faster
+compile mode, the mode `auto` picked, and the other ratios. `--output` writes the same as JSON. The
+benchmark needs one replica.
 """
 
 from __future__ import annotations
@@ -53,16 +58,18 @@ from mixloop.engine.loss import Loss, as_loss, as_losses
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.engine.step import forward
 from mixloop.errors import UserError
-from mixloop.runner import precision_setup
-from mixloop.runner.trainer import resolve_jit_compile
+from mixloop.config import AUTO
+from mixloop.runner import compile_mode, precision_setup
 
 REPEATS, QUICK_REPEATS = 5, 3
 QUICK_STEPS_PER_LOOP = 5  # --quick caps train.steps_per_loop (and so the updates per repeat) at this.
 ACCUMULATION_STEPS = (1, 4, 8)
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
-# The headline ratios, each a median over repeats of (numerator's examples/s / denominator's).
-RATIOS = ("mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare", "dynamic/none", "k8/k1",
-          "ema/no-ema", "metric/no-metric")
+# The headline ratios, each a median over repeats of (numerator's examples/s / denominator's); a
+# policy's ratio to float32 compares each in its faster compile mode, at the configured accumulation.
+POLICY_RATIOS = ("mixed_bfloat16/float32", "mixed_float16/float32")
+RATIOS = (*POLICY_RATIOS, "mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare",
+          "dynamic/none", "k8/k1", "ema/no-ema", "metric/no-metric")
 EMA_DECAY = 0.999  # The ema_decay of the EMA variant.
 EXTRA_METRIC = "benchmark_output_mean"  # The +metric variant's train metric.
 
@@ -144,13 +151,14 @@ def keras_fit_variant(trainer, data: tf.data.Dataset, *, tuned: bool) -> Variant
                    lambda: model.fit(epoch, verbose=0))
 
 
-def bare_variant(trainer, data: tf.data.Dataset) -> Variant:
-    """The least any framework does: forward, loss, gradient, clipping, update, in a tf.function loop."""
+def bare_variant(trainer, data: tf.data.Dataset, jit_compile: bool, name: str = "bare") -> Variant:
+    """The least any framework does: forward, loss, gradient, clipping, update, in a tf.function
+    loop, the step compiled with XLA or not."""
     config, policy = trainer.config, trainer.policy
     model = layer_precision.build_model(trainer.build_model, policy, config.precision.float32_layers)
     optimizer = _with_clipping(trainer.build_optimizer(), config.train.clip_global_norm)
 
-    @tf.function(jit_compile=trainer.jit_compile)
+    @tf.function(jit_compile=jit_compile)
     def step(batch):
         with tf.GradientTape() as tape:
             outputs = forward(model, policy, trainer.model_inputs(batch), training=True)
@@ -168,7 +176,7 @@ def bare_variant(trainer, data: tf.data.Dataset) -> Variant:
 
     iterator = iter(data.repeat().prefetch(tf.data.AUTOTUNE))
     num_steps = tf.constant(config.train.steps_per_loop)
-    return Variant("bare", policy.keras_name, 1, "none", trainer.jit_compile,
+    return Variant(name, policy.keras_name, 1, "none", jit_compile,
                    lambda: loop(iterator, num_steps).numpy())
 
 
@@ -193,17 +201,16 @@ def mixloop_variant(name: str, config: ml_collections.ConfigDict, trainer_class:
     return Variant(name, *_settings(config), run)
 
 
-def _settings(config: ml_collections.ConfigDict) -> tuple[str, int, str, bool]:
-    """(policy, accumulation_steps, loss scale in effect, XLA) of a one-replica config: what tells
-    two runs apart."""
+def _settings(config: ml_collections.ConfigDict) -> tuple[str, int, str, Any]:
+    """(policy, accumulation_steps, loss scale in effect, XLA: True, False or "auto") of a
+    one-replica config: what tells two runs apart."""
     policy, _ = precision_setup.make_policy(config.precision.policy)
     scale = precision_setup.make_loss_scale(config.precision, policy)
     if isinstance(scale, (DynamicLossScale, NoLossScale)):
         scale_name = "dynamic" if isinstance(scale, DynamicLossScale) else "none"
     else:
         scale_name = f"{float(scale.scale):g}"
-    xla = resolve_jit_compile(config.jit_compile, num_replicas=1)
-    return policy.keras_name, config.train.accumulation_steps, scale_name, xla
+    return policy.keras_name, config.train.accumulation_steps, scale_name, config.jit_compile
 
 
 def _float16_policy(config: ml_collections.ConfigDict) -> str:
@@ -222,13 +229,14 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
     """
     float16 = _float16_policy(config)
     changes = [{"train.accumulation_steps": k} for k in ACCUMULATION_STEPS]
-    changes += [{"precision.policy": p} for p in POLICIES]
+    changes += [{"precision.policy": p, "jit_compile": m} for p in POLICIES for m in (True, False)]
     changes += [{"precision.policy": float16, "precision.loss_scale": s} for s in ("dynamic", "none")]
-    changes += [{"jit_compile": not _settings(config)[3]}]
+    changes += [{"jit_compile": config.jit_compile is False}]
     configs, seen = {"mixloop": config}, [_settings(config)]
     for change in changes:
-        name = "mixloop " + " ".join(f"{key.split('.')[-1]}={value}" for key, value in change.items())
         changed = _changed(config, change)
+        name = "mixloop " + " ".join(f"{key.split('.')[-1]}={value}" for key, value in change.items()
+                                     if _value(changed, key) != _value(config, key))
         try:
             validate(changed)
         except UserError as error:
@@ -240,21 +248,31 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
     return configs
 
 
+def _value(config: ml_collections.ConfigDict, key: str) -> Any:
+    """The value of the "section.field" `key` in `config`."""
+    *section, field = key.split(".")
+    return (config[section[0]] if section else config)[field]
+
+
 def _changed(config: ml_collections.ConfigDict, change: dict[str, Any]) -> ml_collections.ConfigDict:
     """A copy of `config` with the "section.field" keys of `change` set."""
     changed = config.copy_and_resolve_references()
-    for key, value in change.items():
-        *section, field = key.split(".")
-        (changed[section[0]] if section else changed)[field] = value
+    with changed.ignore_type():  # jit_compile: True, False or "auto".
+        for key, value in change.items():
+            *section, field = key.split(".")
+            (changed[section[0]] if section else changed)[field] = value
     return changed
 
 
 def build_variants(trainer, mixloop_configs: dict[str, ml_collections.ConfigDict],
                    workdir: str) -> list[Variant]:
-    """keras-fit, keras-fit-tuned, bare and the mixloop variants, all on the same fixed batches."""
+    """keras-fit, keras-fit-tuned, bare in both compile modes (the configured one first) and the
+    mixloop variants, all on the same fixed batches."""
     data = fixed_batches(trainer, trainer.config.train.steps_per_loop)
+    xla = trainer.config.jit_compile
     variants = [keras_fit_variant(trainer, data, tuned=False),
-                keras_fit_variant(trainer, data, tuned=True), bare_variant(trainer, data)]
+                keras_fit_variant(trainer, data, tuned=True), bare_variant(trainer, data, xla),
+                bare_variant(trainer, data, not xla, name=f"bare jit_compile={not xla}")]
     for name, config in mixloop_configs.items():
         variants.append(mixloop_variant(name, config, type(trainer), data, workdir))
     config = trainer.config
@@ -310,6 +328,20 @@ def time_interleaved(variants: list[Variant], repeats: int, examples_per_repeat:
         gc.enable()
 
 
+def floor_of(variant: Variant, variants: list[Variant]) -> Variant:
+    """The bare loop compiled as `variant` is (with XLA or not)."""
+    return next(v for v in variants if v.name.startswith("bare") and v.xla == variant.xla)
+
+
+def fastest_mode(variants: list[Variant], **wanted: Any) -> Variant:
+    """Of the mixloop variants with the `wanted` fields, with XLA and without, the faster (by median
+    seconds)."""
+    matching = [v for v in variants if v.name.startswith("mixloop") and not v.name.startswith(
+                    ("mixloop ema_decay", "mixloop +metric"))
+                and all(getattr(v, key) == value for key, value in wanted.items())]
+    return min(matching, key=lambda v: statistics.median(v.seconds))
+
+
 def pairwise_ratio(numerator: Variant, denominator: Variant) -> float:
     """Median over repeats of numerator's examples/s over denominator's, both from the same repeat."""
     return statistics.median(d / n for n, d in zip(numerator.seconds, denominator.seconds))
@@ -335,10 +367,14 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
     by_name = {v.name: v for v in variants}
     policy, k, scale, xla = _settings(config)
     float16 = _float16_policy(config)
+    best = {name: fastest_mode(variants, policy=name, accumulation_steps=k,
+                               **({"loss_scale": "dynamic"} if name == "mixed_float16" else {}))
+            for name in POLICIES}
     pairs = {
+        **{ratio: (best[ratio.split("/")[0]], best["float32"]) for ratio in POLICY_RATIOS},
         "mixloop/keras-fit": (by_name["mixloop"], by_name["keras-fit"]),
         "mixloop/keras-fit-tuned": (by_name["mixloop"], by_name["keras-fit-tuned"]),
-        "mixloop/bare": (by_name["mixloop"], by_name["bare"]),
+        "mixloop/bare": (by_name["mixloop"], floor_of(by_name["mixloop"], variants)),
         "dynamic/none": (
             _find(variants, policy=float16, accumulation_steps=k, loss_scale="dynamic", xla=xla),
             _find(variants, policy=float16, accumulation_steps=k, loss_scale="none", xla=xla)),
@@ -355,8 +391,9 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
 
 
 def results(variants: list[Variant], config: ml_collections.ConfigDict, *, repeats: int,
-            quick: bool) -> dict[str, Any]:
-    """Everything the table shows, as a JSON-ready dict."""
+            quick: bool, auto: Any = None) -> dict[str, Any]:
+    """Everything the table shows, as a JSON-ready dict; `auto`: what jit_compile=auto's probe
+    measured and picked (None when the config fixed the mode)."""
     batch_size, steps_per_loop = config.train.batch_size, config.train.steps_per_loop
     by_name = {v.name: v for v in variants}
     rows = []
@@ -368,7 +405,7 @@ def results(variants: list[Variant], config: ml_collections.ConfigDict, *, repea
             examples_per_sec=dict(median=round(statistics.median(speeds), 1),
                                   min=round(min(speeds), 1), max=round(max(speeds), 1)),
             vs_keras_fit=round(pairwise_ratio(v, by_name["keras-fit"]), 3),
-            vs_bare=round(pairwise_ratio(v, by_name["bare"]), 3),
+            vs_bare=round(pairwise_ratio(v, floor_of(v, variants)), 3),
         ))
     return dict(
         command=" ".join(["python -m mixloop.benchmark", *sys.argv[1:]]),
@@ -380,6 +417,7 @@ def results(variants: list[Variant], config: ml_collections.ConfigDict, *, repea
         repeats=repeats,
         quick=quick,
         variants=rows,
+        auto_compile_mode=auto,
         ratios={name: round(value, 3) for name, value in headline_ratios(variants, config).items()},
     )
 
@@ -410,7 +448,7 @@ def format_table(report: dict[str, Any]) -> str:
         summary,
         "",
         "| variant | policy | accumulation | loss scale | XLA | examples/s | min–max | × keras-fit "
-        "| × bare |",
+        "| × bare (same mode) |",
         "|---|---|--:|---|---|--:|--:|--:|--:|",
     ]
     for row in report["variants"]:
@@ -420,8 +458,18 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{row['loss_scale']} | {xla} | {speed['median']:.0f} | "
                      f"{speed['min']:.0f}–{speed['max']:.0f} | {row['vs_keras_fit']:.2f} | "
                      f"{row['vs_bare']:.2f} |")
-    ratios = ", ".join(f"{name} {value:.2f}" for name, value in report["ratios"].items())
-    return "\n".join(lines + ["", f"Ratios (median over repeats of per-repeat ratios): {ratios}"])
+    ratios = report["ratios"]
+    headline = ("16-bit vs float32, each in its faster compile mode: " + ", ".join(
+        f"{name.split('/')[0]} {ratios[name]:.2f}x" for name in POLICY_RATIOS))
+    auto = report.get("auto_compile_mode")
+    if auto:
+        headline += (f"; jit_compile=auto picks {compile_mode.describe(auto['xla'])} (its probe: "
+                     f"{auto['examples_per_sec']['xla']:.0f} examples/s with XLA, "
+                     f"{auto['examples_per_sec']['graph']:.0f} without, {auto['probe_seconds']} s)")
+    others = ", ".join(f"{name} {value:.2f}" for name, value in ratios.items()
+                       if name not in POLICY_RATIOS)
+    return "\n".join(lines + ["", headline, "",
+                              f"Ratios (median over repeats of per-repeat ratios): {others}"])
 
 
 def write_json(report: dict[str, Any], path: str) -> None:
@@ -444,18 +492,27 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
         config = config.copy_and_resolve_references()
         config.train.steps_per_loop = min(config.train.steps_per_loop, QUICK_STEPS_PER_LOOP)
     validate(config)
-    configs = mixloop_configs(config)  # Before anything is built: a variant may not fit.
+    mixloop_configs(config)  # Before anything is built: a variant may not fit.
     with tempfile.TemporaryDirectory() as workdir:
         trainer = cli.build_trainer(config, workdir)
         if trainer.strategy.num_replicas_in_sync != 1:
             raise UserError(f"the benchmark times one device, but config.distribution="
                             f"{config.distribution!r} gives {trainer.strategy.num_replicas_in_sync} "
                             "replicas; set --config.distribution=one_device")
+        auto = None
+        if config.jit_compile == AUTO:
+            logging.info("Timing both compile modes as a run's jit_compile=auto does...")
+            speeds, seconds = compile_mode.measure(trainer)
+            auto = dict(xla=speeds[True] > speeds[False], probe_seconds=round(seconds, 1),
+                        examples_per_sec={"xla": round(speeds[True], 1),
+                                          "graph": round(speeds[False], 1)})
+            config = _changed(config, {"jit_compile": auto["xla"]})
+            trainer.config = config
         logging.info("Building the variants (one model, and for mixloop one Trainer, each)...")
-        variants = build_variants(trainer, configs, workdir)
+        variants = build_variants(trainer, mixloop_configs(config), workdir)
         time_interleaved(variants, repeats,
                          examples_per_repeat=config.train.steps_per_loop * config.train.batch_size)
-    return results(variants, trainer.config, repeats=repeats, quick=quick)
+    return results(variants, config, repeats=repeats, quick=quick, auto=auto)
 
 
 def define_flags() -> None:
