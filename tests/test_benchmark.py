@@ -42,9 +42,10 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
     assert auto["xla"] is (auto["examples_per_sec"]["xla"] > auto["examples_per_sec"]["graph"])
     assert names == ["keras-fit", "keras-fit-tuned", "bare", f"bare {other}", "mixloop",
                      "mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
-                     "mixloop accumulation_steps=8", *[f"mixloop policy=float32{mode}" for mode in (
+                     "mixloop accumulation_steps=8", f"mixloop accumulation_steps=1 {other}",
+                     f"mixloop {other}", *[f"mixloop policy=float32{mode}" for mode in (
                          ["", f" {other}"] if xla else [f" {other}", ""])],
-                     f"mixloop {other}", *[f"mixloop policy=mixed_bfloat16{mode}" for mode in (
+                     *[f"mixloop policy=mixed_bfloat16{mode}" for mode in (
                          ["", f" {other}"] if xla else [f" {other}", ""])],
                      "mixloop loss_scale=none", "mixloop ema_decay=0.999", "mixloop +metric"]
     # XLA: fit leaves it off on a CPU, the tuned fit turns it on, the rest as the probe picked
@@ -80,15 +81,14 @@ def test_a_variant_that_does_not_fit_is_one_line_and_exit_2():
 
 @pytest.mark.parametrize("policy, loss_scale, expected", [
     ("mixed_float16", "dynamic", ["mixloop policy=float32", "mixloop policy=float32 jit_compile=False",
-                                  "mixloop jit_compile=False", "mixloop policy=mixed_bfloat16",
+                                  "mixloop policy=mixed_bfloat16",
                                   "mixloop policy=mixed_bfloat16 jit_compile=False",
                                   "mixloop loss_scale=none"]),
     ("mixed_bfloat16", "dynamic", ["mixloop policy=float32", "mixloop policy=float32 jit_compile=False",
                                    "mixloop policy=mixed_float16",
                                    "mixloop policy=mixed_float16 jit_compile=False",
-                                   "mixloop jit_compile=False",
                                    "mixloop policy=mixed_float16 loss_scale=none"]),
-    ("float32", "none", ["mixloop jit_compile=False", "mixloop policy=mixed_float16",
+    ("float32", "none", ["mixloop policy=mixed_float16",
                          "mixloop policy=mixed_float16 jit_compile=False",
                          "mixloop policy=mixed_bfloat16",
                          "mixloop policy=mixed_bfloat16 jit_compile=False",
@@ -101,7 +101,8 @@ def test_variations_change_settings_and_skip_what_the_configured_run_measures(
     config.jit_compile = True
     names = list(benchmark.mixloop_configs(config))
     accumulation = ["mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
-                    "mixloop accumulation_steps=8"]
+                    "mixloop accumulation_steps=8", "mixloop accumulation_steps=1 jit_compile=False",
+                    "mixloop jit_compile=False"]
     assert names == ["mixloop", *accumulation, *expected]
 
 

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import keras
 import ml_collections
@@ -63,13 +63,15 @@ from mixloop.runner import compile_mode, precision_setup
 
 REPEATS, QUICK_REPEATS = 5, 3
 QUICK_STEPS_PER_LOOP = 5  # --quick caps train.steps_per_loop (and so the updates per repeat) at this.
-ACCUMULATION_STEPS = (1, 4, 8)
+ACCUMULATION_STEPS = (1, 2, 4, 8)
+OTHER_MODE_ACCUMULATION_STEPS = (1, 2)  # Also timed in the compile mode the run does not use.
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 # The headline ratios, each a median over repeats of (numerator's examples/s / denominator's); a
 # policy's ratio to float32 compares each in its faster compile mode, at the configured accumulation.
 POLICY_RATIOS = ("mixed_bfloat16/float32", "mixed_float16/float32")
 RATIOS = (*POLICY_RATIOS, "mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare",
-          "dynamic/none", "k8/k1", "ema/no-ema", "metric/no-metric")
+          "dynamic/none", "k8/k1", "k2/k1 with XLA", "k2/k1 without XLA", "ema/no-ema",
+          "metric/no-metric")
 EMA_DECAY = 0.999  # The ema_decay of the EMA variant.
 EXTRA_METRIC = "benchmark_output_mean"  # The +metric variant's train metric.
 
@@ -125,16 +127,19 @@ def _keras_loss(trainer, target_dtype: tf.DType) -> Callable[[tf.Tensor, tf.Tens
     return loss
 
 
+def without_keras(trainer, data: tf.data.Dataset) -> str:
+    """Why `model.fit` and the bare loop cannot train this experiment as it is ('' when they can):
+    they take one loss of `(inputs, targets)` batches."""
+    if len(trainer.objectives) > 1:
+        return f"{len(trainer.objectives)} objectives (one loss each)"
+    if not (isinstance(data.element_spec, tuple) and len(data.element_spec) == 2):
+        return f"train batches that are not (inputs, targets) pairs ({data.element_spec})"
+    return ""
+
+
 def keras_fit_variant(trainer, data: tf.data.Dataset, *, tuned: bool) -> Variant:
     """`model.fit` as the Keras mixed-precision guide writes it; `tuned` adds XLA and
-    steps_per_execution. One repeat is one epoch of `data`.
-
-    Raises:
-      UserError: when the batches are not `(inputs, targets)` pairs, which is what `fit` takes.
-    """
-    if not (isinstance(data.element_spec, tuple) and len(data.element_spec) == 2):
-        raise UserError("the keras-fit variants need train batches of (inputs, targets), "
-                        f"but build_datasets() gives {data.element_spec}")
+    steps_per_execution. One repeat is one epoch of `data` (of `(inputs, targets)` batches)."""
     config, policy = trainer.config, trainer.policy
     with layer_precision.building_under(policy):
         model = trainer.build_model()
@@ -229,6 +234,8 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
     """
     float16 = _float16_policy(config)
     changes = [{"train.accumulation_steps": k} for k in ACCUMULATION_STEPS]
+    changes += [{"train.accumulation_steps": k, "jit_compile": config.jit_compile is False}
+                for k in OTHER_MODE_ACCUMULATION_STEPS]
     changes += [{"precision.policy": p, "jit_compile": m} for p in POLICIES for m in (True, False)]
     changes += [{"precision.policy": float16, "precision.loss_scale": s} for s in ("dynamic", "none")]
     changes += [{"jit_compile": config.jit_compile is False}]
@@ -270,9 +277,14 @@ def build_variants(trainer, mixloop_configs: dict[str, ml_collections.ConfigDict
     mixloop variants, all on the same fixed batches."""
     data = fixed_batches(trainer, trainer.config.train.steps_per_loop)
     xla = trainer.config.jit_compile
-    variants = [keras_fit_variant(trainer, data, tuned=False),
-                keras_fit_variant(trainer, data, tuned=True), bare_variant(trainer, data, xla),
-                bare_variant(trainer, data, not xla, name=f"bare jit_compile={not xla}")]
+    reason = without_keras(trainer, data)
+    if reason:
+        logging.info("No keras-fit and bare variants: this experiment has %s", reason)
+        variants = []
+    else:
+        variants = [keras_fit_variant(trainer, data, tuned=False),
+                    keras_fit_variant(trainer, data, tuned=True), bare_variant(trainer, data, xla),
+                    bare_variant(trainer, data, not xla, name=f"bare jit_compile={not xla}")]
     for name, config in mixloop_configs.items():
         variants.append(mixloop_variant(name, config, type(trainer), data, workdir))
     config = trainer.config
@@ -328,9 +340,9 @@ def time_interleaved(variants: list[Variant], repeats: int, examples_per_repeat:
         gc.enable()
 
 
-def floor_of(variant: Variant, variants: list[Variant]) -> Variant:
-    """The bare loop compiled as `variant` is (with XLA or not)."""
-    return next(v for v in variants if v.name.startswith("bare") and v.xla == variant.xla)
+def floor_of(variant: Variant, variants: list[Variant]) -> Optional[Variant]:
+    """The bare loop compiled as `variant` is (with XLA or not); None without bare variants."""
+    return next((v for v in variants if v.name.startswith("bare") and v.xla == variant.xla), None)
 
 
 def fastest_mode(variants: list[Variant], **wanted: Any) -> Variant:
@@ -342,8 +354,11 @@ def fastest_mode(variants: list[Variant], **wanted: Any) -> Variant:
     return min(matching, key=lambda v: statistics.median(v.seconds))
 
 
-def pairwise_ratio(numerator: Variant, denominator: Variant) -> float:
-    """Median over repeats of numerator's examples/s over denominator's, both from the same repeat."""
+def pairwise_ratio(numerator: Optional[Variant], denominator: Optional[Variant]) -> Optional[float]:
+    """Median over repeats of numerator's examples/s over denominator's, both from the same repeat
+    (None when either was not timed)."""
+    if numerator is None or denominator is None:
+        return None
     return statistics.median(d / n for n, d in zip(numerator.seconds, denominator.seconds))
 
 
@@ -372,14 +387,17 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
             for name in POLICIES}
     pairs = {
         **{ratio: (best[ratio.split("/")[0]], best["float32"]) for ratio in POLICY_RATIOS},
-        "mixloop/keras-fit": (by_name["mixloop"], by_name["keras-fit"]),
-        "mixloop/keras-fit-tuned": (by_name["mixloop"], by_name["keras-fit-tuned"]),
+        "mixloop/keras-fit": (by_name["mixloop"], by_name.get("keras-fit")),
+        "mixloop/keras-fit-tuned": (by_name["mixloop"], by_name.get("keras-fit-tuned")),
         "mixloop/bare": (by_name["mixloop"], floor_of(by_name["mixloop"], variants)),
         "dynamic/none": (
             _find(variants, policy=float16, accumulation_steps=k, loss_scale="dynamic", xla=xla),
             _find(variants, policy=float16, accumulation_steps=k, loss_scale="none", xla=xla)),
         "k8/k1": (_find(variants, policy=policy, accumulation_steps=8, loss_scale=scale, xla=xla),
                   _find(variants, policy=policy, accumulation_steps=1, loss_scale=scale, xla=xla)),
+        **{f"k2/k1 {compile_mode.describe(mode)}": tuple(
+            _find(variants, policy=policy, accumulation_steps=k, loss_scale=scale, xla=mode)
+            for k in (2, 1)) for mode in (True, False)},
         "ema/no-ema": _ordered(by_name["mixloop"], _starting(variants, "mixloop ema_decay="),
                                first_is_on=bool(config.train.ema_decay)),
         "metric/no-metric": (by_name["mixloop +metric"], by_name["mixloop"]),
@@ -404,8 +422,8 @@ def results(variants: list[Variant], config: ml_collections.ConfigDict, *, repea
             loss_scale=v.loss_scale, xla=v.xla, seconds=[round(s, 4) for s in v.seconds],
             examples_per_sec=dict(median=round(statistics.median(speeds), 1),
                                   min=round(min(speeds), 1), max=round(max(speeds), 1)),
-            vs_keras_fit=round(pairwise_ratio(v, by_name["keras-fit"]), 3),
-            vs_bare=round(pairwise_ratio(v, floor_of(v, variants)), 3),
+            vs_keras_fit=_rounded(pairwise_ratio(v, by_name.get("keras-fit"))),
+            vs_bare=_rounded(pairwise_ratio(v, floor_of(v, variants))),
         ))
     return dict(
         command=" ".join(["python -m mixloop.benchmark", *sys.argv[1:]]),
@@ -418,7 +436,7 @@ def results(variants: list[Variant], config: ml_collections.ConfigDict, *, repea
         quick=quick,
         variants=rows,
         auto_compile_mode=auto,
-        ratios={name: round(value, 3) for name, value in headline_ratios(variants, config).items()},
+        ratios={name: _rounded(value) for name, value in headline_ratios(variants, config).items()},
     )
 
 
@@ -456,8 +474,8 @@ def format_table(report: dict[str, Any]) -> str:
         xla = "yes" if row["xla"] else "no"
         lines.append(f"| {row['name']} | {row['policy']} | {row['accumulation_steps']} | "
                      f"{row['loss_scale']} | {xla} | {speed['median']:.0f} | "
-                     f"{speed['min']:.0f}–{speed['max']:.0f} | {row['vs_keras_fit']:.2f} | "
-                     f"{row['vs_bare']:.2f} |")
+                     f"{speed['min']:.0f}–{speed['max']:.0f} | {_shown(row['vs_keras_fit'])} | "
+                     f"{_shown(row['vs_bare'])} |")
     ratios = report["ratios"]
     headline = ("16-bit vs float32, each in its faster compile mode: " + ", ".join(
         f"{name.split('/')[0]} {ratios[name]:.2f}x" for name in POLICY_RATIOS))
@@ -466,10 +484,19 @@ def format_table(report: dict[str, Any]) -> str:
         headline += (f"; jit_compile=auto picks {compile_mode.describe(auto['xla'])} (its probe: "
                      f"{auto['examples_per_sec']['xla']:.0f} examples/s with XLA, "
                      f"{auto['examples_per_sec']['graph']:.0f} without, {auto['probe_seconds']} s)")
-    others = ", ".join(f"{name} {value:.2f}" for name, value in ratios.items()
+    others = ", ".join(f"{name} {_shown(value)}" for name, value in ratios.items()
                        if name not in POLICY_RATIOS)
     return "\n".join(lines + ["", headline, "",
                               f"Ratios (median over repeats of per-repeat ratios): {others}"])
+
+
+def _rounded(ratio: Optional[float]) -> Optional[float]:
+    return None if ratio is None else round(ratio, 3)
+
+
+def _shown(ratio: Optional[float]) -> str:
+    """A ratio as the table prints it: two decimals, or n/a for one that was not timed."""
+    return "n/a" if ratio is None else f"{ratio:.2f}"
 
 
 def write_json(report: dict[str, Any], path: str) -> None:
