@@ -14,10 +14,10 @@ Run (from the repository root; needs `pip install keras-hub`)::
     python -m mixloop.train --config=experiments/bert_mlm.py --workdir=runs/bert_mlm
     python -m mixloop.train --config=experiments/bert_mlm.py:quick --workdir=runs/bert_mlm_quick
 
-Expect, on 2 CPU cores: about a minute (65 s mixed_bfloat16, 55 s float32, 90 s mixed_float16
-measured; 15, 18 and 11 updates/s once the XLA-compiled step is built) for 600 updates of a
-0.49M-parameter model, and eval 1.93 nats per masked byte, accuracy 0.49 (float32 1.917,
-mixed_float16 1.921, no update skipped), against 3.15 nats for the unigram entropy of the train
+Expect, on 2 CPU cores: about 1.5 minutes (94 s mixed_bfloat16, 87 s float32 and mixed_float16
+measured, each with a 15-17 s probe of the compile mode; 11-12 updates/s) for 600 updates of a
+0.49M-parameter model, and eval 1.91 nats per masked byte, accuracy 0.50 (float32 1.917,
+mixed_float16 1.920, no update skipped), against 3.15 nats for the unigram entropy of the train
 bytes that the Trainer logs; the eval set has 57,315 masked bytes. The run is sensitive to small
 perturbations: float32 alone ends between 1.876 and 1.917 over seeds 0-2, and a 16-bit run lands
 within about 1% of float32 of the same seed (+0.2%, +0.2%, +1.0% for mixed_float16; +0.7%, +1.2%,

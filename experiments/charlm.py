@@ -9,9 +9,9 @@ Run (from the repository root)::
     python -m mixloop.train --config=experiments/charlm.py --workdir=runs/charlm
     python -m mixloop.train --config=experiments/charlm.py:quick --workdir=runs/charlm_quick
 
-Expect, on 2 CPU cores: about 2.5 minutes (152 s measured; 12-14 updates/s once the XLA-compiled
-step is built) for 1,500 updates of a 0.47M-parameter model, and eval 1.98 bits per character (loss
-1.37 nats), against 4.55 bits for the unigram entropy of the train text that the Trainer logs, with
+Expect, on 2 CPU cores: about 3 minutes (187 s measured, with a 15 s probe of the compile mode;
+11 updates/s without XLA, which `jit_compile=auto` picks for bfloat16 on a CPU with AVX512_BF16)
+for 1,500 updates of a 0.47M-parameter model, and eval 1.98 bits per character (loss 1.38 nats), against 4.55 bits for the unigram entropy of the train text that the Trainer logs, with
 the most likely next byte right 64% of the time (eval `accuracy` 0.638; 0.58 at step 500).
 The `quick` variant runs 40 updates in about 15 seconds and ends near 4.4 bits per character and
 accuracy 0.24.
@@ -53,9 +53,10 @@ def get_config(arg: Optional[str] = None) -> ml_collections.ConfigDict:
     config = base_config()
     config.trainer = "experiments.charlm.CharLMTrainer"  # The Trainer subclass below.
     config.seed = 0  # Initialization and window order.
-    # On 2 CPU cores (AVX512_BF16, no native float16), with XLA, `python -m mixloop.benchmark`
-    # measured ~1,080 examples/s in float32, ~910 in mixed_bfloat16 and ~770 in mixed_float16:
-    # float32 is faster, as for most small models on a CPU; the default shows 16-bit compute.
+    # On 2 Xeon cores (AVX512_BF16, AMX), `python -m mixloop.benchmark` measured 661 examples/s in
+    # mixed_bfloat16 (without XLA, auto's pick), 715 in float32 (with XLA) and 639 in mixed_float16:
+    # at this width the step is mostly elementwise work, which 16 bits do not speed up on a CPU;
+    # at d_model 512 mixed_bfloat16 is 1.54x float32. The default shows 16-bit compute.
     config.precision.policy = "mixed_bfloat16"  # 16-bit compute without a loss scale.
 
     config.model.num_layers = 2  # Transformer blocks.

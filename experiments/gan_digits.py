@@ -27,13 +27,15 @@ Run (from the repository root)::
     python -m mixloop.train --config=experiments/gan_digits.py --workdir=runs/gan_digits
     python -m mixloop.train --config=experiments/gan_digits.py:quick --workdir=runs/gan_digits_quick
 
-Expect, on 2 CPU cores: about 90 seconds (6,000 updates at ~85 per second, and start-up), ending
-at Fréchet distance 0.15, confidence 0.87 and all 10 digits covered (0.149 / 0.871 / 10 measured;
-0.24 / 0.86 / 10 at step 3,000). The discriminator calls only 55% of the held-out real digits
-real (`real_accuracy`) while it catches 71% of the fakes: it memorises the 1,541 train images. The two loss scales
-part ways (both start at 2**15 and grow to 2**16 at step 2,000): the discriminator's overflows by
-step 3,600 and once more after 5,500 (2 updates skipped, ending at 2**15); the generator's grows to
-2**17 at step 4,000 and overflows once after 5,000 (1 skipped, ending at 2**16).
+Expect, on 2 CPU cores: about 70 seconds (6,000 updates at ~115 per second with XLA, which
+`jit_compile=auto` picks after an 8 s probe, and start-up), ending at Fréchet distance 0.15,
+confidence 0.88 and all 10 digits covered (0.154 / 0.884 / 10 measured, 0.24 / 0.86 / 10 at step
+3,000; 0.149 / 0.871 on an AMD EPYC). The discriminator calls only 54% of the held-out real digits
+real (`real_accuracy`) while it catches 71% of the fakes: it memorises the 1,541 train images. The
+two loss scales part ways (both start at 2**15 and grow to 2**16 at step 2,000): the
+discriminator's overflows by step 3,900 and once more after 5,500 (2 updates skipped, ending at
+2**15); the generator's grows to 2**17 by step 4,000 and overflows by step 4,100 (1 skipped,
+ending at 2**16).
 The `quick` variant (200 updates of a narrower pair) only checks that everything runs: about
 18 seconds, Fréchet distance 2.4, confidence 0.69, no update skipped.
 """

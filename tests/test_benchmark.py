@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import tensorflow as tf
@@ -144,6 +145,18 @@ def test_a_policy_is_compared_with_float32_each_in_its_faster_compile_mode():
     assert benchmark.pairwise_ratio(best, variants[0]) == 2.0  # Repeats: 2, 1.6, 2.
     assert benchmark.fastest_mode(variants, policy="mixed_float16",
                                   loss_scale="dynamic").name == "mixloop policy=mixed_float16"
+
+
+def test_what_model_fit_cannot_train_is_timed_without_the_keras_and_bare_rows():
+    pairs = tf.data.Dataset.from_tensors((tf.zeros([2, 8]), tf.zeros([2])))
+    images = tf.data.Dataset.from_tensors(tf.zeros([2, 8, 8, 1]))
+    one, two = SimpleNamespace(objectives={"model": None}), SimpleNamespace(objectives={"a": None, "b": None})
+    assert benchmark.without_keras(one, pairs) == ""
+    assert benchmark.without_keras(one, images).startswith("train batches that are not (inputs, targets)")
+    assert benchmark.without_keras(two, pairs) == "2 objectives (one loss each)"
+    assert benchmark.pairwise_ratio(benchmark.Variant("v", "float32", 1, "none", False, lambda: None,
+                                                      [1.0]), None) is None
+    assert benchmark._shown(None) == "n/a" and benchmark._shown(1.234) == "1.23"
 
 
 def make_trainer(workdir, **overrides):

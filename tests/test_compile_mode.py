@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+import tensorflow as tf
 import tiny_experiment
 
 from mixloop.runner import compile_mode
@@ -27,8 +28,8 @@ def pinned_speeds(monkeypatch):
     monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
     seconds, timed = {True: 1.0, False: 1.0}, []
 
-    def seconds_of_loop(trainer, iterator, num_updates):
-        trainer.train_loop(num_updates, iterator)
+    def seconds_of_loop(trainer, num_updates):
+        trainer.train_loop(num_updates)
         timed.append(trainer.jit_compile)
         return seconds[trainer.jit_compile]
 
@@ -37,8 +38,10 @@ def pinned_speeds(monkeypatch):
 
 
 def resolved(workdir):
+    """The compile mode config.json records ({} when none)."""
     with open(os.path.join(workdir, "config.json")) as f:
-        return json.load(f)["resolved"]
+        record = json.load(f).get("resolved", {})
+    return {key: value for key, value in record.items() if key == compile_mode.KEY}
 
 
 @pytest.mark.parametrize("xla_seconds, graph_seconds, expected", [(5.0, 1.0, False), (1.0, 5.0, True)])
@@ -53,6 +56,9 @@ def test_auto_picks_the_faster_mode_and_records_it(tmp_path, pinned_speeds, xla_
     assert getattr(trainer.train_step._add_micro_batch_fn, "_jit_compile", False) is expected
     assert sorted(set(timed)) == [False, True] and timed.count(True) == timed.count(False)
     assert resolved(tmp_path) == {"jit_compile": expected}
+    # The probe's trace of the chosen loop and step is the one the run goes on with.
+    assert trainer._train_loop.experimental_get_tracing_count() == 1
+    assert trainer.train_step._compiled.experimental_get_tracing_count() == 1
 
 
 @pytest.mark.parametrize("xla_seconds, graph_seconds, chosen", [(5.0, 1.0, False), (1.0, 5.0, True)])
@@ -90,6 +96,26 @@ def test_a_resume_reuses_the_recorded_choice_without_probing(tmp_path, pinned_sp
     assert resolved(tmp_path) == {"jit_compile": False}
 
 
+def test_a_resume_with_another_accumulation_policy_or_model_measures_again(tmp_path, pinned_speeds):
+    seconds, timed = pinned_speeds
+    seconds.update({True: 5.0, False: 1.0})
+    make_trainer(tmp_path).train()
+    seconds.update({True: 1.0, False: 5.0})
+    timed.clear()
+    resumed = make_trainer(tmp_path, **{"train.num_steps": 30, "train.accumulation_steps": 1})
+    resumed.train()
+    assert resumed.jit_compile is True and timed  # Measured again, for the new accumulation.
+    assert resolved(tmp_path) == {"jit_compile": True}
+
+
+def test_a_deterministic_run_is_not_timed(tmp_path, pinned_speeds):
+    seconds, timed = pinned_speeds
+    seconds.update({True: 5.0, False: 1.0})
+    trainer = make_trainer(tmp_path, deterministic=True)
+    trainer.train()
+    assert trainer.jit_compile is True and timed == []  # XLA, as for a short run.
+
+
 @pytest.mark.parametrize("jit_compile", [True, False])
 def test_an_explicit_mode_is_never_probed_or_overridden(tmp_path, pinned_speeds, jit_compile):
     seconds, timed = pinned_speeds
@@ -109,17 +135,23 @@ def test_a_short_run_takes_xla_unprobed_and_several_replicas_graph_mode(tmp_path
     assert mirrored.jit_compile is False  # Decided at construction: XLA does not compile replicas.
 
 
-def test_a_mode_that_fails_to_run_leaves_the_other(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing_mode, error, chosen", [
+    (True, tf.errors.UnimplementedError(None, None, "no XLA kernel for this op"), False),
+    (True, tf.errors.ResourceExhaustedError(None, None, "out of memory"), False),
+    # An error of the data: the run meets it in the mode that reports it, and says it in one line.
+    (False, tf.errors.InvalidArgumentError(None, None, "indices[3] = 7 is not in [0, 3)"), False),
+])
+def test_a_mode_that_fails_in_the_probe(tmp_path, monkeypatch, failing_mode, error, chosen):
     monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
     real = compile_mode.seconds_of_loop
 
-    def xla_fails(trainer, iterator, num_updates):
-        if trainer.jit_compile:
-            import tensorflow as tf
-            raise tf.errors.UnimplementedError(None, None, "no XLA kernel for this op")
-        return real(trainer, iterator, num_updates)
+    def failing(trainer, num_updates):
+        if trainer.jit_compile is failing_mode:
+            raise error
+        return real(trainer, num_updates)
 
-    monkeypatch.setattr(compile_mode, "seconds_of_loop", xla_fails)
+    monkeypatch.setattr(compile_mode, "seconds_of_loop", failing)
     trainer = make_trainer(tmp_path)
     trainer.train()
-    assert trainer.jit_compile is False and int(trainer.global_step.numpy()) == 20
+    assert trainer.jit_compile is chosen and int(trainer.global_step.numpy()) == 20
+    assert resolved(tmp_path) == {}  # Nothing measured, nothing recorded.

@@ -45,8 +45,9 @@ class Runnable(Protocol):
     def train_loop(self, num_steps: int) -> dict[str, Any]:
         """Up to `num_steps` updates in one compiled call; per-objective totals as NumPy."""
 
-    def choose_compile_mode(self) -> None:
-        """Decides XLA or not for jit_compile="auto", leaving the state as it was."""
+    def choose_compile_mode(self) -> bool:
+        """Decides XLA or not for jit_compile="auto", leaving the state as it was; whether the
+        chosen loop is compiled already."""
 
     def evaluate(self) -> dict[str, float]:
         """The eval metrics (with the EMA weights when on)."""
@@ -137,8 +138,9 @@ def train(trainer: Runnable) -> dict[str, float]:
         if trainer.is_chief:
             workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
         trainer.start_precision()  # From the restored weights, before the first trace.
-        trainer.choose_compile_mode()  # After the placement, which changes what is compiled.
-        metrics, reason = _run_loops(trainer, actions, stop)
+        # After the placement, which changes what is compiled.
+        probed = trainer.choose_compile_mode()
+        metrics, reason = _run_loops(trainer, actions, stop, compiled=probed)
         step = int(trainer.global_step.numpy())
         _save(trainer, step)
         if stop.signal_number is not None and step < trainer.config.train.num_steps:
@@ -158,9 +160,11 @@ def train(trainer: Runnable) -> dict[str, float]:
     return metrics
 
 
-def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[dict[str, float], int]:
+def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest,
+               compiled: bool) -> tuple[dict[str, float], int]:
     """Inner loops until num_steps, a stop request or the end of the data; returns the last metrics
-    and why it ended (`guard.CONTINUE` or `guard.END_OF_DATA`).
+    and why it ended (`guard.CONTINUE` or `guard.END_OF_DATA`). Unless the loop is `compiled`
+    already, the first loop runs one update and its time is logged apart.
 
     Raises:
       guard.TrainingDiverged: when the run diverges with no recovery left.
@@ -176,7 +180,6 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest) -> tuple[di
     metrics: dict[str, float] = {}
     interval = reporting.Interval(step, trainer.state.skipped_totals())
     recoveries, heals, logged_first_skips = 0, 0, set()
-    compiled = False  # The first loop traces and compiles: one update, timed apart.
     while stop.signal_number is None:
         if step >= last_step:
             return metrics, guard.END_OF_DATA if step < num_steps else guard.CONTINUE

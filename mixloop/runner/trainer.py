@@ -163,14 +163,13 @@ class Trainer:
 
     # ----- What the framework owns. -----
 
-    def train_loop(self, num_steps: int, iterator: Any = None) -> dict[str, Any]:
-        """Runs up to `num_steps` updates in one compiled call on the run's train iterator (or
-        `iterator`); returns the loop's totals as NumPy values (see `_inner_loop`). The controller
-        calls this; a TensorFlow op error propagates. With jit_compile="auto" the first call
-        measures the compile mode (`choose_compile_mode`) unless the controller did."""
+    def train_loop(self, num_steps: int) -> dict[str, Any]:
+        """Runs up to `num_steps` updates in one compiled call; returns the loop's totals as NumPy
+        values (see `_inner_loop`). The controller calls this; a TensorFlow op error propagates.
+        With jit_compile="auto" the first call decides the compile mode (`choose_compile_mode`)
+        unless the controller did."""
         self.choose_compile_mode()
-        totals = self._train_loop(self.train_iterator if iterator is None else iterator,
-                                  tf.constant(num_steps))
+        totals = self._train_loop(self.train_iterator, tf.constant(num_steps))
         return tf.nest.map_structure(lambda value: value.numpy(), totals)
 
     def compile_loops(self) -> None:
@@ -181,17 +180,21 @@ class Trainer:
         self.set_jit_compile(self.jit_compile)
         self._eval_step = tf.function(self._eval_batch)
 
-    def choose_compile_mode(self) -> None:
+    def choose_compile_mode(self) -> bool:
         """Decides `jit_compile` for config.jit_compile="auto" (`compile_mode.choose`: recorded in
         the workdir, a rule, or timing both modes from the current state, which it leaves as it
-        was); the controller calls it after `start_precision`. Does nothing once decided."""
-        compile_mode.choose(self)
+        was); the controller calls it after `start_precision`. Does nothing once decided. Returns
+        whether the chosen loop is compiled already (the probe ran it)."""
+        return compile_mode.choose(self)
 
-    def set_jit_compile(self, jit_compile: bool) -> None:
-        """Runs the train step with XLA or without from the next loop on (each mode traced once)."""
+    def set_jit_compile(self, jit_compile: Optional[bool]) -> None:
+        """Runs the train step with XLA or without from the next loop on (each mode traced once;
+        None, undecided, until `choose_compile_mode`)."""
         self.jit_compile = jit_compile
         self.train_step.jit_compile = jit_compile is not False  # Until measured: XLA.
-        self._train_loop = self._train_loops.setdefault(jit_compile, tf.function(self._inner_loop))
+        if jit_compile not in self._train_loops:
+            self._train_loops[jit_compile] = tf.function(self._inner_loop)
+        self._train_loop = self._train_loops[jit_compile]
 
     def start_precision(self) -> None:
         """Applies `precision.float32_layers=auto` and `initial_scale=auto` from a probe of the

@@ -14,6 +14,8 @@ times, in one process, the same optimizer updates on the same batches done sever
                      other compile mode, the floor of the variants compiled that way
     mixloop          the configured Trainer's compiled inner loop, called as the outer loop calls it;
                      with jit_compile="auto", in the mode the run's own probe (`compile_mode`) picks
+                     (measured here whatever the run's length: a run under 250 updates, or on a
+                     Python generator's data, takes XLA without measuring)
     mixloop KEY=...  the same with settings changed: accumulation_steps 1, 4 and 8 (same global
                      batch); policy float32, mixed_float16 and mixed_bfloat16, each with and without
                      XLA; loss_scale dynamic and none in float16 (the only dtype where a dynamic scale
@@ -52,13 +54,12 @@ import tensorflow as tf
 from absl import flags, logging
 
 from mixloop import cli
-from mixloop.config import validate
+from mixloop.config import AUTO, validate
 from mixloop.engine import layer_precision
 from mixloop.engine.loss import Loss, as_loss, as_losses
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.engine.step import forward
 from mixloop.errors import UserError
-from mixloop.config import AUTO
 from mixloop.runner import compile_mode, precision_setup
 
 REPEATS, QUICK_REPEATS = 5, 3
@@ -255,10 +256,16 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
     return configs
 
 
+def _holder(config: ml_collections.ConfigDict, key: str) -> tuple[ml_collections.ConfigDict, str]:
+    """(the section of `config` that holds the "section.field" `key`, the field's name)."""
+    *section, field = key.split(".")
+    return (config[section[0]] if section else config), field
+
+
 def _value(config: ml_collections.ConfigDict, key: str) -> Any:
     """The value of the "section.field" `key` in `config`."""
-    *section, field = key.split(".")
-    return (config[section[0]] if section else config)[field]
+    holder, field = _holder(config, key)
+    return holder[field]
 
 
 def _changed(config: ml_collections.ConfigDict, change: dict[str, Any]) -> ml_collections.ConfigDict:
@@ -266,8 +273,8 @@ def _changed(config: ml_collections.ConfigDict, change: dict[str, Any]) -> ml_co
     changed = config.copy_and_resolve_references()
     with changed.ignore_type():  # jit_compile: True, False or "auto".
         for key, value in change.items():
-            *section, field = key.split(".")
-            (changed[section[0]] if section else changed)[field] = value
+            holder, field = _holder(changed, key)
+            holder[field] = value
     return changed
 
 
@@ -396,8 +403,8 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
         "k8/k1": (_find(variants, policy=policy, accumulation_steps=8, loss_scale=scale, xla=xla),
                   _find(variants, policy=policy, accumulation_steps=1, loss_scale=scale, xla=xla)),
         **{f"k2/k1 {compile_mode.describe(mode)}": tuple(
-            _find(variants, policy=policy, accumulation_steps=k, loss_scale=scale, xla=mode)
-            for k in (2, 1)) for mode in (True, False)},
+            _find(variants, policy=policy, accumulation_steps=steps, loss_scale=scale, xla=mode)
+            for steps in (2, 1)) for mode in (True, False)},
         "ema/no-ema": _ordered(by_name["mixloop"], _starting(variants, "mixloop ema_decay="),
                                first_is_on=bool(config.train.ema_decay)),
         "metric/no-metric": (by_name["mixloop +metric"], by_name["mixloop"]),
@@ -535,6 +542,7 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
                                           "graph": round(speeds[False], 1)})
             config = _changed(config, {"jit_compile": auto["xla"]})
             trainer.config = config
+            trainer.set_jit_compile(auto["xla"])
         logging.info("Building the variants (one model, and for mixloop one Trainer, each)...")
         variants = build_variants(trainer, mixloop_configs(config), workdir)
         time_interleaved(variants, repeats,
