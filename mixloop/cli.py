@@ -101,8 +101,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _unknown_key(detail: str) -> str:
-    """ConfigDict's "'key'\nDid you mean ..." as one sentence."""
+    """ConfigDict's "'key'\nDid you mean ..." as one sentence; the workdir is a flag of its own."""
     key, _, suggestion = detail.partition("\n")
+    if key.strip("'\"") == "workdir":
+        suggestion = "The workdir is a flag of its own: use --workdir=PATH."
     return f"unknown config key {key} in a --config override. {suggestion}".strip()
 
 

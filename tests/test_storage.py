@@ -242,3 +242,21 @@ def test_a_really_full_disk_is_one_line_and_leaves_no_partial_checkpoint(tiny_di
     assert result.stderr.strip().splitlines()[-1] == errors[0]  # Nothing after it, no traceback.
     assert sorted(os.listdir(workdir / "checkpoints")) == ["checkpoint"] + [
         f"ckpt-{step}{suffix}" for step in (20, 40) for suffix in (DATA, ".index")]
+
+
+def test_a_full_disk_before_the_start_says_to_free_space(tmp_path, monkeypatch):
+    """A lock file that cannot be written for want of space: one line that names the workdir and
+    both ways out, with no '(None)' for the path the error does not carry."""
+    import errno
+
+    from mixloop.runner import workdir as workdir_module
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(workdir_module.os, "open", full)
+    with pytest.raises(UserError) as raised:
+        with workdir_module.WorkdirLock(str(tmp_path / "run")):
+            pass
+    assert str(raised.value) == (f"cannot write to the workdir {tmp_path / 'run'}: No space left on "
+                                 "device; free some space or choose another --workdir")

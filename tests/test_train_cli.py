@@ -63,6 +63,9 @@ def trained_workdir(tmp_path_factory):
     ([f"--config={TINY_CONFIG}", "--config.train.num_stpes=3"], "num_stpes"),
     ([f"--config={TINY_CONFIG}", "--config.trian.batch_size=8"],
      "unknown config key 'trian' in a --config override. Did you mean \"train\" instead of \"trian\"?"),
+    ([f"--config={TINY_CONFIG}", "--config.workdir=/tmp/elsewhere"],
+     "unknown config key 'workdir' in a --config override. The workdir is a flag of its own: "
+     "use --workdir=PATH."),
     ([f"--config={TINY_CONFIG}", "--config.optimizer.beta_1=2.0"],
      "config.optimizer.beta_1=2.0 is not allowed: a number in [0, 1)"),
     ([f"--config={TINY_CONFIG}", "--config.precision.loss_scale=inf"],

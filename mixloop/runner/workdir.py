@@ -3,6 +3,7 @@ one-line refusals of a workdir that cannot be one (a file, unwritable, a folder 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -92,7 +93,10 @@ def _unusable_workdir(directory: str, error: OSError) -> UserError:
         where = "is" if existing == os.path.normpath(directory) else f"is under {existing}, which is"
         return UserError(f"the workdir {directory} {where} a file, not a folder; "
                          "choose another --workdir")
-    where = "" if error.filename == directory else f" ({error.filename})"
+    where = "" if error.filename in (None, directory) else f" ({error.filename})"
+    if error.errno == errno.ENOSPC:
+        return UserError(f"cannot write to the workdir {directory}: {error.strerror}{where}; "
+                         "free some space or choose another --workdir")
     return UserError(f"cannot write to the workdir {directory}: {error.strerror}{where}; "
                      "choose a --workdir you can write to")
 
