@@ -112,8 +112,8 @@ def get_config(arg: Optional[str] = None) -> ml_collections.ConfigDict:
     return config
 
 
-def import_keras_hub():
-    """The keras_hub module, an optional dependency of this experiment only.
+def import_keras_hub(experiment: str = "bert_mlm"):
+    """The keras_hub module, an optional dependency of the experiments that use it.
 
     Raises:
       UserError: when keras-hub is not installed, saying how to install it.
@@ -121,7 +121,7 @@ def import_keras_hub():
     try:
         import keras_hub
     except ImportError:
-        raise UserError("the bert_mlm experiment needs keras-hub: pip install keras-hub") from None
+        raise UserError(f"the {experiment} experiment needs keras-hub: pip install keras-hub") from None
     return keras_hub
 
 

@@ -3,13 +3,14 @@ Trainer from them, and turning bad input into one `error:` line and a non-zero e
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
 import sysconfig
 import traceback
 import types
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import ml_collections
 from absl import app, flags, logging
@@ -122,11 +123,53 @@ def _is_user_code(frame: types.FrameType) -> bool:
                 or "__autograph_generated_file" in filename)
 
 
-def _hook_failure(error: Exception) -> Optional[UserError]:
+@contextlib.contextmanager
+def _config_reads() -> Iterator[set[tuple[int, str]]]:
+    """Records (id of the ConfigDict, key) for every config value the experiment's own code reads
+    (`self.config.model.width`) while the block runs, so that a failure names only the overrides
+    that code read."""
+    reads: set[tuple[int, str]] = set()
+    original = ml_collections.ConfigDict.__getitem__
+
+    def recording(config: ml_collections.ConfigDict, key: str) -> Any:
+        value = original(config, key)
+        caller = sys._getframe(1)
+        while caller is not None and caller.f_code.co_filename == _CONFIG_DICT_FILE:
+            caller = caller.f_back  # ConfigDict's __getattr__ reads through __getitem__.
+        if caller is not None and _is_user_code(caller):
+            reads.add((id(config), key))
+        return value
+
+    ml_collections.ConfigDict.__getitem__ = recording
+    try:
+        yield reads
+    finally:
+        ml_collections.ConfigDict.__getitem__ = original
+
+
+_CONFIG_DICT_FILE = ml_collections.ConfigDict.__getitem__.__code__.co_filename
+
+
+def _overrides_read(reads: set[tuple[int, str]]) -> str:
+    """'model.width=0, ...': the command line's overrides whose value the experiment's code read."""
+    config = _CONFIG.value
+    read = []
+    for key, value in config_flags.get_override_values(flags.FLAGS["config"]).items():
+        section, _, field = key.rpartition(".")
+        try:
+            owner = config[section] if section else config
+        except KeyError:
+            continue
+        if (id(owner), field) in reads:
+            read.append(f"{key}={value}")
+    return ", ".join(read)
+
+
+def _hook_failure(error: Exception, reads: set[tuple[int, str]]) -> Optional[UserError]:
     """The one line for `error` raised in a method of the experiment's Trainer subclass (such as
     `build_model` failing on a config value), naming the method, the experiment's own line that
-    failed and the command line's overrides; None when no such method is on the traceback (a bug
-    elsewhere keeps its traceback)."""
+    failed and the command line's overrides that the experiment's code read (`_config_reads`); None
+    when no such method is on the traceback (a bug elsewhere keeps its traceback)."""
     from mixloop.runner.trainer import Trainer
 
     user_frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)
@@ -135,8 +178,7 @@ def _hook_failure(error: Exception) -> Optional[UserError]:
     if not hooks:
         return None
     failed, line = user_frames[-1]
-    overrides = ", ".join(f"{key}={value}" for key, value in
-                          config_flags.get_override_values(flags.FLAGS["config"]).items())
+    overrides = _overrides_read(reads)
     return UserError(f"{hooks[0].f_code.co_name}() failed: {type(error).__name__}: "
                      f"{' '.join(str(error).split())} (at {failed.f_code.co_filename}:{line}); check "
                      "the config values it reads"
@@ -153,12 +195,14 @@ def run(command: Callable[[], None]) -> None:
     code, and so is a TypeError or ValueError from the experiment's Trainer methods (`_hook_failure`)."""
 
     def main(argv: list[str]) -> None:
+        reads: set[tuple[int, str]] = set()
         try:
-            command()
+            with _config_reads() as reads:
+                command()
         except UserError as error:
             _exit_with(error)
         except (TypeError, ValueError) as error:
-            user_error = _hook_failure(error)
+            user_error = _hook_failure(error, reads)
             if user_error is None:
                 raise
             _exit_with(user_error)

@@ -48,18 +48,20 @@ def base_config() -> ml_collections.ConfigDict:
     config.precision = ml_collections.ConfigDict()
     config.precision.policy = "float32"  # float32, mixed_float16, mixed_bfloat16, or auto.
     config.precision.loss_scale = "dynamic"  # "dynamic", "none", or a number for a static scale.
-    # Dynamic scale: the starting value, or "auto": the largest that leaves the gradients of a probe of
-    # a few train batches 2**MARGIN_BITS below float16's largest value (the doctor's rule).
-    config.precision.initial_scale = FieldReference(DEFAULT_INITIAL_SCALE, field_type=object)
+    # Dynamic scale: the starting value, or "auto" (the default): in float16, the largest that leaves
+    # the gradients of a probe of a few train batches 2**MARGIN_BITS below float16's largest value
+    # (the doctor's rule); elsewhere, and with several replicas, DEFAULT_INITIAL_SCALE.
+    config.precision.initial_scale = FieldReference(AUTO, field_type=object)
     config.precision.growth_interval = 2000  # Dynamic scale: finite updates in a row before growing.
     config.precision.growth_factor = 2.0  # Dynamic scale: factor applied on growth (> 1).
     config.precision.backoff_factor = 0.5  # Dynamic scale: factor applied on overflow, in (0, 1).
     config.precision.hysteresis = 1  # Dynamic scale: overflows tolerated before backing off.
     config.precision.min_scale = 1.0  # Dynamic scale: lower bound.
     config.precision.max_scale = 2.0**24  # Dynamic scale: upper bound.
-    # Regex of layer paths that also compute in float32; "auto" (or "auto|REGEX") adds the layers a probe
-    # of a few train batches finds overflowing 16 bits (and on resume, the ones recorded).
-    config.precision.float32_layers = ""
+    # Regex of layer paths that also compute in float32; "auto" (the default; or "auto|REGEX") adds, in
+    # float16, the finest layers a probe of a few train batches finds overflowing it (and on resume,
+    # the ones recorded); "" keeps only the default placement.
+    config.precision.float32_layers = AUTO
     config.precision.probe_batches = 2  # Train batches the automatic placement and healing probe.
     # On a divergence in 16 bits with finite inputs, probe, move the layers found to float32, restore
     # the last checkpoint and go on; each heal counts against train.max_recoveries.

@@ -1,10 +1,11 @@
 """Planted precision problems for the doctor's and the automatic placement's tests: a hot layer,
-faint gradients, a long-axis reduction and a layer that overflows only after some training.
+faint gradients, a long-axis reduction (alone and inside blocks) and a layer that overflows only
+after some training. The probe is on by default in mixed_float16: `--config.precision.float32_layers=
+--config.precision.initial_scale=32768` shows a plain run.
 
     python -m mixloop.diagnose --config=tests/hot_experiment.py        # tests/ on PYTHONPATH
     python -m mixloop.diagnose --config=tests/hot_experiment.py:faint
-    python -m mixloop.train --config=tests/hot_experiment.py:reduction --workdir=/tmp/r \
-        --config.precision.float32_layers=auto
+    python -m mixloop.train --config=tests/hot_experiment.py:reduction --workdir=/tmp/r
     python -m mixloop.train --config=tests/hot_experiment.py:growing --workdir=/tmp/g \
         --config.precision.heal=True --config.train.max_recoveries=1
 
@@ -12,8 +13,9 @@ Expect for the default ("hot"): layer `hot` outputs values near 1e5, beyond floa
 mixed_float16 loss is NaN from the first step; the advice keeps `hot` and its consumer `squash` in
 float32, and calls mixed_bfloat16 safe. For "faint": gradients near 1e-9 all flush to zero in float16 without a loss
 scale; the advice is a dynamic loss scale starting at 2^41 (and a max_scale to allow it).
-For "reduction": `pool` averages 2,048 positions of values near 40 by summing them first; the sum,
-near 82,000, overflows float16 although every input and output of the layer is near 40, so the
+For "nested": the reduction inside a block (`pooling/pool`) and inside a block's own `call`
+(`summing`): the automatic placement moves those two, not `pooling`. For "reduction": `pool`
+averages 2,048 positions of values near 40 by summing them first; the sum, near 82,000, overflows float16 although every input and output of the layer is near 40, so the
 mixed_float16 loss is NaN from the first step. For "growing": `grow` multiplies its outputs by a
 gain that grows 30% with every applied update and `shrink` divides it out again; its values leave
 float16's range after 35 to 40 updates, so mixed_float16 trains and then diverges.
@@ -126,6 +128,44 @@ class GrowingTrainer(HotTrainer):
         return train.repeat(), tf.data.Dataset.from_tensor_slices((features, labels)).batch(128)
 
 
+@keras.saving.register_keras_serializable(package="hot_experiment")
+class PoolingBlock(keras.layers.Layer):
+    """A block whose sublayer `pool` overflows float16 (a long-axis sum), followed by a calm `body`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.pool = SumThenDivide(name="pool")
+        self.body = keras.layers.Dense(8, activation="relu", name="body")
+
+    def call(self, inputs):
+        return self.body(self.pool(inputs) - READING_LEVEL)
+
+
+@keras.saving.register_keras_serializable(package="hot_experiment")
+class SummingBlock(keras.layers.Layer):
+    """A block whose own op overflows float16 (a long-axis sum, in its `call`) after a calm sublayer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mix = keras.layers.Dense(2, kernel_initializer="identity", name="mix")
+
+    def call(self, inputs):
+        mixed = self.mix(inputs)
+        return keras.ops.sum(mixed, axis=1) / keras.ops.cast(keras.ops.shape(mixed)[1], mixed.dtype)
+
+
+class NestedTrainer(ReductionTrainer):
+    """The reduction's task through two blocks, one with an overflowing sublayer, one overflowing in
+    its own ops: the finest layers to move are `pooling/pool` and `summing`."""
+
+    def build_model(self):
+        inputs = keras.Input((SEQUENCE_LENGTH, 2))
+        pooled = PoolingBlock(name="pooling")(inputs)
+        summed = SummingBlock(name="summing")(inputs) - READING_LEVEL
+        x = keras.layers.Concatenate(name="join")([pooled, summed])
+        return keras.Model(inputs, keras.layers.Dense(3, name="logits")(x))
+
+
 class FaintTrainer(HotTrainer):
     """The same task through an ordinary MLP, with a loss so small that its gradients are near 1e-9."""
 
@@ -153,6 +193,8 @@ def get_config(arg=None):
         config.precision.loss_scale = "none"  # Gradients as they are, unscaled.
     elif arg == "reduction":
         config.trainer = "hot_experiment.ReductionTrainer"
+    elif arg == "nested":
+        config.trainer = "hot_experiment.NestedTrainer"
     elif arg == "growing":
         config.trainer = "hot_experiment.GrowingTrainer"
         config.train.num_steps = 80
@@ -160,5 +202,5 @@ def get_config(arg=None):
         config.eval.every_steps = 20  # Before and after the heal: the eval step is traced anew too.
     elif arg:
         raise ValueError(f"unknown hot_experiment variant {arg!r}; expected 'faint', 'reduction', "
-                         "'growing' or none")
+                         "'nested', 'growing' or none")
     return config

@@ -22,12 +22,15 @@ import tiny_experiment
 
 from mixloop.cli import import_trainer
 from mixloop.config import ConfigError, validate
+from mixloop.engine.layer_precision import named_layers
 from mixloop.runner import guard, workdir
 from mixloop.runner.precision_report import diagnose_batches, initial_scale_keeping
 from mixloop.tools.diagnose import diagnose_experiment
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 AUTO = {"precision.float32_layers": "auto"}
+# The automatic settings are mixed_float16's defaults: a plain run turns them off.
+PLAIN = {"precision.float32_layers": "", "precision.initial_scale": 2.0**15}
 HEAL = {"precision.heal": True, "train.max_recoveries": 1}
 FAST = {"jit_compile": False}  # Tracing without XLA: seconds less per run; the CLI test keeps XLA.
 
@@ -121,9 +124,33 @@ def reduction_auto(tmp_path_factory):
 
 @pytest.mark.parametrize("variant, steps", [(None, 30), ("reduction", 10)])
 def test_plain_mixed_float16_diverges_on_the_planted_problems(tmp_path, variant, steps):
-    run = train(hot_experiment, variant, tmp_path, **{"train.num_steps": steps})
+    run = train(hot_experiment, variant, tmp_path, **PLAIN, **{"train.num_steps": steps})
     assert run.error is not None
     assert "training diverged at step 1: the float32 loss is nan" in str(run.error)
+
+
+def test_the_divergence_names_the_layers_to_move_and_bfloat16(tmp_path):
+    run = train(hot_experiment, None, tmp_path, **PLAIN)
+    message = str(run.error)
+    assert message.startswith("training diverged at step 1: the float32 loss is nan; ")
+    assert ("; the precision probe of the weights it diverged at finds hot, squash overflowing "
+            "float16: --config.precision.float32_layers='auto|hot|squash' computes them in "
+            "float32 (the default 'auto' moves them before the first update), or "
+            "--config.precision.policy=mixed_bfloat16 has float32's range") in message
+    assert "\n" not in message
+    assert not (tmp_path / "precision").exists()  # Advice only: nothing recorded or moved.
+
+
+def test_a_divergence_the_probe_finds_nothing_for_points_at_the_doctor(tmp_path):
+    run = train(hot_experiment, "growing", tmp_path, **PLAIN, **{"train.max_recoveries": 0,
+                                                                 "checkpoint.every_steps": 0})
+    message = str(run.error)
+    assert "training diverged at step " in message
+    # Past the divergence the gain is still growing: the probe of those weights finds the layers.
+    assert "finds grow, shrink overflowing float16" in message or (
+        "finds no layer overflowing float16 in the forward pass: python -m mixloop.diagnose with "
+        "the same --config and --workdir shows the gradients" in message)
+    assert "--config.precision.policy=mixed_bfloat16 has float32's range" in message
 
 
 @pytest.mark.parametrize("fixture, planted, evidence, steps", [
@@ -139,7 +166,7 @@ def test_auto_moves_exactly_the_planted_layers_and_trains(request, fixture, plan
     assert math.isfinite(run.metrics["loss"])
     assert float32_layers(run.trainer) == sorted(planted + ["logits"])  # logits: by name.
     pinned = "|".join(planted)
-    assert workdir.read_resolved(str(run.directory)) == {"precision.float32_layers": pinned}
+    assert workdir.read_resolved(str(run.directory))["precision.float32_layers"] == pinned
     assert os.path.exists(run.directory / "precision" / "report-step-0.json")
     [line] = lines_with(run, "precision.float32_layers=auto: probed 2 train batches")
     assert f": {planted[0]} (float16): " in line and evidence in line
@@ -159,6 +186,30 @@ def test_an_explicit_regex_combines_with_auto(tmp_path):
     assert run.error is None
     assert float32_layers(run.trainer) == ["body", "hot", "logits", "squash"]
     assert workdir.read_resolved(str(tmp_path)) == {"precision.float32_layers": "body|hot|squash"}
+
+
+def test_auto_moves_the_finest_layers_of_nested_blocks(tmp_path):
+    run = train(hot_experiment, "nested", tmp_path, **{"train.num_steps": 10})  # The defaults.
+    assert run.error is None and run.metrics["skipped_total"] <= 1
+    dtypes = {path: layer.compute_dtype for path, layer in named_layers(run.trainer.model).items()}
+    assert dtypes["pooling/pool"] == dtypes["summing"] == dtypes["summing/mix"] == "float32"
+    assert dtypes["pooling"] == dtypes["pooling/body"] == "float16"  # The block stays in 16 bits.
+    [line] = lines_with(run, "precision.float32_layers=auto: probed 2 train batches")
+    assert "pooling/pool (float16): it turned finite inputs into 64 inf or NaN outputs; " in line
+    assert ("summing (float16): it turned finite inputs into 64 inf or NaN outputs; in its own "
+            "ops, not in a sublayer (the smallest layer that holds them); ") in line
+    assert "pooling (float16)" not in line
+    pinned = workdir.read_resolved(str(tmp_path))["precision.float32_layers"]
+    assert sorted(pinned.split("|")) == ["pooling/pool", "summing"]
+
+
+def test_the_doctor_advises_the_finest_layers_without_their_blocks(tmp_path):
+    doctor = make_trainer(hot_experiment, "nested", tmp_path, **PLAIN)
+    [report] = diagnose_batches(doctor, ["model"], itertools.islice(doctor.make_train_iterator(0), 1))
+    hot = {layer.path for layer in report.layers if layer.creates_non_finite}
+    assert {"pooling", "pooling/pool", "summing"} <= hot  # The block is hot for its sublayer.
+    assert sorted(report.advice.float32_layers) == ["pooling/pool", "summing"]
+    assert not [problem for problem in report.advice.problems if problem.startswith("pooling (")]
 
 
 # ----- A layer that overflows only after some training: healed mid-run. -----
@@ -192,7 +243,7 @@ def test_healing_moves_the_growing_layers_and_ends_near_float32(growing_healed, 
     assert "--config.precision.float32_layers='grow|shrink'" in heal
     assert not lines_with(run, "Recovery 1 of")
     assert float32_layers(run.trainer) == ["grow", "logits", "shrink"]
-    assert workdir.read_resolved(str(run.directory)) == {"precision.float32_layers": "grow|shrink"}
+    assert workdir.read_resolved(str(run.directory))["precision.float32_layers"] == "grow|shrink"
     assert read_scalars(run.directory / "train", "heals") == [1.0]
     assert read_scalars(run.directory / "train", "recoveries") == [1.0]
     reference = growing_float32.metrics["eval_loss"]
@@ -221,8 +272,8 @@ def test_a_resumed_run_applies_the_recorded_layers_and_does_not_heal_again(tmp_p
     assert applied.startswith("Automatic precision: grow, shrink compute in float32")
     assert not lines_with(run, "Heal") and not lines_with(run, "Recovery")
     assert run.metrics["skipped_total"] == 0
-    assert workdir.read_resolved(str(tmp_path / "resumed")) == {
-        "precision.float32_layers": "grow|shrink"}
+    assert workdir.read_resolved(str(tmp_path / "resumed"))["precision.float32_layers"] == (
+        "grow|shrink")
 
 
 def test_a_changed_config_keeps_the_resolved_record(tmp_path):
@@ -267,17 +318,27 @@ def started_tiny(directory, **overrides):
 
 
 def test_nothing_to_fix_keeps_the_placement_the_step_and_the_scale(tmp_path):
-    plain, _ = started_tiny(tmp_path / "plain")
-    auto, log = started_tiny(tmp_path / "auto", **AUTO)
-    moved, _ = started_tiny(tmp_path / "moved", **{"precision.float32_layers": "dense"})
+    plain, _ = started_tiny(tmp_path / "plain", **PLAIN)
+    auto, log = started_tiny(tmp_path / "auto")  # The defaults: the probe places and scales.
+    moved, _ = started_tiny(tmp_path / "moved", **{**PLAIN, "precision.float32_layers": "dense"})
 
     assert compute_dtypes(auto) == compute_dtypes(plain)
     assert [m for m in log if "3 or more doublings" in m and "no layer moved" in m]
-    assert workdir.read_resolved(str(tmp_path / "auto")) == {}  # Nothing moved: nothing to pin.
+    resolved = workdir.read_resolved(str(tmp_path / "auto"))
+    assert "precision.float32_layers" not in resolved  # Nothing moved: nothing to pin.
     default_step = traced_dtypes(plain)
     assert traced_dtypes(auto) == default_step
     assert traced_dtypes(moved) != default_step  # The comparison sees a moved layer.
-    assert float(auto.objectives["model"].loss_scale.scale.numpy()) == 2.0**15
+    assert float(plain.objectives["model"].loss_scale.scale.numpy()) == 2.0**15
+    assert float(auto.objectives["model"].loss_scale.scale.numpy()) == resolved[
+        "precision.initial_scale"]
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_the_defaults_probe_nothing_outside_float16(tmp_path, policy):
+    trainer, log = started_tiny(tmp_path / "run", **{"precision.policy": policy})
+    assert not [m for m in log if "probed" in m or "initial_scale=auto" in m]
+    assert not (tmp_path / "run" / "precision").exists()
 
 
 # ----- initial_scale=auto. -----
@@ -337,14 +398,20 @@ def test_bad_automatic_settings_are_refused(overrides, message):
     assert message in str(raised.value)
 
 
-def test_automatic_settings_with_several_replicas_are_refused_before_anything_is_written(tmp_path):
+def test_healing_with_several_replicas_is_refused_before_anything_is_written(tmp_path):
     workdir_path = tmp_path / "run"
-    for setting in (AUTO, {"precision.initial_scale": "auto"}, HEAL):
-        with pytest.raises(ConfigError, match=r"probe on one device, but "
-                           r"config.distribution='mirrored' gives 2 replicas; run once with "
-                           r"--config.distribution=one_device"):
-            make_trainer(tiny_experiment, None, workdir_path, distribution="mirrored", **setting)
+    with pytest.raises(ConfigError, match=r"precision.heal=True probes on one device, but "
+                       r"config.distribution='mirrored' gives 2 replicas; run once with "
+                       r"--config.distribution=one_device"):
+        make_trainer(tiny_experiment, None, workdir_path, distribution="mirrored", **HEAL)
     assert not workdir_path.exists()
+
+
+def test_the_default_probe_is_skipped_with_several_replicas_and_says_so(tmp_path):
+    trainer, log = started_tiny(tmp_path / "run", distribution="mirrored")
+    [line] = [m for m in log if m.startswith("Automatic precision: not probed")]
+    assert "this run has 2 replicas; no layer moves and a dynamic loss scale starts at 32768" in line
+    assert float(trainer.objectives["model"].loss_scale.scale.numpy()) == 2.0**15
 
 
 @pytest.mark.slow

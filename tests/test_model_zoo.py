@@ -85,6 +85,14 @@ def mobilenet():
                                           classes=10, classifier_activation=None)
 
 
+def vit():
+    # keras-hub's Vision Transformer: patches, a class token, pre-LN blocks; logits on the token.
+    backbone = keras_hub.models.ViTBackbone(image_shape=(32, 32, 3), patch_size=8, num_layers=2,
+                                            num_heads=2, hidden_dim=32, mlp_dim=64)
+    images = keras.Input((32, 32, 3))
+    return keras.Model(images, keras.layers.Dense(10, name="logits")(backbone(images)[:, 0, :]))
+
+
 def image_batch():
     rng = np.random.default_rng(0)
     return (tf.constant(rng.normal(size=(BATCH, 32, 32, 3)), tf.float32),
@@ -132,6 +140,7 @@ ZOO = {
     "bert": (lm_on(bert), lambda: token_batch(with_segments=True), masked_token_loss),
     "gpt2": (lm_on(gpt2), lambda: token_batch(with_segments=False), masked_token_loss),
     "mobilenet_v2": (mobilenet, image_batch, class_loss),
+    "vit": (vit, image_batch, class_loss),
     "unused_head": (with_unused_head, vector_batch, class_loss),
     "dict_output": (dict_output, vector_batch, dict_output_loss),
 }
@@ -139,6 +148,7 @@ BODY_LAYERS = {  # a layer that must compute in the policy's dtype
     "bert": "bert_backbone/transformer_layer_0/feedforward_intermediate_dense",
     "gpt2": "gpt2_backbone/transformer_layer_0/feedforward_intermediate_dense",
     "mobilenet_v2": "Conv1",
+    "vit": "vi_t_backbone/vit_encoder/transformer_block_1/mlp/dense_1",
     "unused_head": "trunk/hidden",
     "dict_output": "dense",
 }
@@ -200,3 +210,41 @@ def test_bert_with_its_layer_norms_kept_in_float32_trains(policy_name):
     batch = token_batch(with_segments=True)
     losses = [float(step(batch)["objectives"]["model"]["loss"]) for _ in range(3)]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+T5_ATTENTION = ["t5/transformer_decoder_layer_0/cross_attention",
+                "t5/transformer_decoder_layer_0/self_attention",
+                "t5/transformer_encoder_layer_0/self_attention"]
+
+
+def test_t5_trains_with_the_default_settings_under_every_policy(tmp_path):
+    """keras-hub T5 (encoder-decoder) through the Trainer with no precision setting: its attention
+    adds `(1 - mask) * -1e9`, NaN in float16, so float16's default probe must move exactly its
+    attention layers (not the backbone) before the first update; nothing skips, and every policy
+    ends where float32 does."""
+    from experiments import t5_reverse
+    from mixloop.cli import import_trainer
+
+    final_loss = {}
+    for policy_name in POLICIES:
+        config = t5_reverse.get_config("quick")
+        config.precision.policy = policy_name
+        config.jit_compile = False
+        config.train.num_steps = config.train.steps_per_loop = config.train.log_every_steps = 8
+        config.eval.every_steps = config.checkpoint.every_steps = 0
+        trainer = import_trainer(config.trainer)(config, str(tmp_path / policy_name))
+        metrics = trainer.train()
+        keras.config.set_dtype_policy("float32")
+
+        layers = named_layers(trainer.model)
+        in_float32 = sorted(path for path, layer in layers.items()
+                            if layer.compute_dtype == "float32" and path.endswith("attention"))
+        compute = Policy.from_string(policy_name).compute_dtype.name
+        moved = policy_name == "mixed_float16"
+        assert in_float32 == (T5_ATTENTION if moved or compute == "float32" else []), policy_name
+        assert layers["t5"].compute_dtype == compute, policy_name  # Not the backbone.
+        assert layers["t5/transformer_encoder_layer_0/input_projector"].compute_dtype == compute
+        assert metrics["skipped_total"] == 0, policy_name
+        final_loss[policy_name] = metrics["loss"]
+    for policy_name, loss in final_loss.items():
+        assert loss == pytest.approx(final_loss["float32"], rel=START_LOSS_RTOL[policy_name] + 5e-3)

@@ -92,6 +92,10 @@ def trained_workdir(tmp_path_factory):
      "build_model() failed: ValueError: Received an invalid value for `units`, expected a "
      f"positive integer. Received: units=0 (at {TESTS_DIR}/tiny_experiment.py:19); check the config "
      "values it reads (set on the command line: model.width=0)"),
+    ([f"--config={TINY_CONFIG}", "--config.precision.policy=float32", "--config.model.width=0",
+      "--config.train.log_every_steps=5"],  # Only the override the failing code read is named.
+     f"(at {TESTS_DIR}/tiny_experiment.py:19); check the config values it reads (set on the command "
+     "line: model.width=0)"),
 ])
 def test_bad_input_is_one_line_and_leaves_the_workdir(trained_workdir, args, message):
     before = snapshot(trained_workdir)

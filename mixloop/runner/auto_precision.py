@@ -5,10 +5,13 @@ train batches from the current weights; what it advises is applied instead of pr
 
     start (before the first trace; on resume from the restored weights), `start`:
         move back to float32 the layers config.json's `resolved` record names (earlier probes' finds)
+        only for float16 compute on one device (both settings are its defaults; bfloat16 has
+            float32's range; several replicas: not probed, said in a line):
         probe batches from an iterator of the probe's own (the run's data position does not move)
-        float32_layers=auto: move to float32 the 16-bit layers the doctor advises, those whose
-            values come within MARGIN_BITS doublings of their dtype's largest finite value or that
-            turn finite inputs into inf or NaN, with their sublayers
+        float32_layers=auto: move to float32 the 16-bit layers the doctor advises, the finest
+            whose values come within MARGIN_BITS doublings of their dtype's largest finite value
+            or that turn finite inputs into inf or NaN (not a block for its sublayer's), with
+            their sublayers
         initial_scale=auto, fresh run: start each dynamic loss scale at the doctor's rule, the
             largest power of two that leaves the probed gradients left in float16 MARGIN_BITS
             doublings below 65504 (clipped into [min_scale, max_scale])
@@ -22,7 +25,7 @@ train batches from the current weights; what it advises is applied instead of pr
         move the newly advised layers to float32, trace the loops anew, record as above
 
 Bad data is not healed (the controller asks only with finite inputs). The probe runs eagerly on one
-device, so a run with several replicas is refused: pin the regex a one-device run found.
+device, so healing with several replicas is refused: pin the regex a one-device run found.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from typing import Any, Iterable, Sequence, Union
 import tensorflow as tf
 from absl import logging
 
-from mixloop.config import AUTO, ConfigError, compiles as config_compiles, split_auto
+from mixloop.config import (AUTO, DEFAULT_INITIAL_SCALE, ConfigError, compiles as config_compiles,
+                            split_auto)
 from mixloop.engine import layer_precision
 from mixloop.engine.loss_scale import DynamicLossScale
 from mixloop.errors import UserError
@@ -60,31 +64,36 @@ def start(trainer) -> None:
       UserError: when the probe's batches cannot be read or the probe fails.
     """
     precision = trainer.config.precision
-    if not is_wanted(precision):
-        return
-    if not trainer.policy.is_mixed:
-        logging.info("Automatic precision: nothing to place or scale, the policy computes in %s",
-                     trainer.policy.compute_dtype.name)
+    if not (is_wanted(precision) and trainer.policy.is_mixed):
         return
     auto_layers, explicit = split_auto(precision.float32_layers)
     recorded = apply_recorded(trainer)
     auto_scale, fresh = precision.initial_scale == AUTO, int(trainer.global_step.numpy()) == 0
     if not (auto_layers or (auto_scale and fresh)):
         return  # Healing only: the probe waits for a divergence.
+    if trainer.policy.compute_dtype != tf.float16:
+        return  # bfloat16 has float32's range: nothing to place, no loss scale to start.
+    replicas = trainer.strategy.num_replicas_in_sync
+    if replicas > 1:
+        logging.warning("Automatic precision: not probed, the probe runs on one device and this run "
+                        "has %d replicas; no layer moves and a dynamic loss scale starts at %g (to "
+                        "pin what a one-device run finds: --config.precision.float32_layers=REGEX "
+                        "--config.precision.initial_scale=SCALE)", replicas, DEFAULT_INITIAL_SCALE)
+        return
     started = time.perf_counter()
     # The run's own iterator first: a fast-forwarded one made after the probe's would start another
     # shuffle order than it does in a run without the probe, or resumed.
     trainer.train_iterator  # The property makes it.
-    reports = _probe(trainer, itertools.islice(trainer.make_train_iterator(0),
-                                               precision.probe_batches))
-    # The layers' values come from the one forward pass every objective shares: the first
-    # objective's advice on layers is every objective's.
-    found = [] if not auto_layers else _move(trainer, reports[0].advice.float32_layers)
+    batches = list(itertools.islice(trainer.make_train_iterator(0), precision.probe_batches))
+    if auto_layers:
+        reports, found, evidence = _place(trainer, batches)
+    else:
+        reports, found, evidence = _probe(trainer, batches), [], []
     seconds = time.perf_counter() - started
     pinned = pinned_regex(recorded or explicit, [layer.path for layer in found])
     if auto_layers:
         logging.info("precision.float32_layers=auto: %s",
-                     _placement_sentence(reports[0], found, pinned, seconds))
+                     _placement_sentence(reports[0], evidence, pinned, seconds))
     resolved = {FLOAT32_KEY: pinned} if auto_layers else {}
     if auto_scale and fresh:
         resolved[SCALE_KEY] = _start_loss_scales(trainer, reports, [l.path for l in found])
@@ -103,18 +112,46 @@ def heal(trainer) -> str:
     if not batches:  # The recovery then ends the run at the end of the data.
         logging.warning("The healing probe found no train batch left to read")
         return ""
-    reports = _probe(trainer, batches)
-    found = _move(trainer, reports[0].advice.float32_layers)  # Shared by every objective (start).
+    reports, found, evidence = _place(trainer, batches)
     if not found:
         logging.info("The healing probe found no 16-bit layer to move to float32: %s",
-                     _placement_sentence(reports[0], found, "", time.perf_counter() - started))
+                     _placement_sentence(reports[0], evidence, "", time.perf_counter() - started))
         return ""
     trainer.compile_loops()
     recorded = _recorded_regex(trainer.workdir)
     pinned = pinned_regex(recorded or split_auto(precision.float32_layers)[1],
                           [layer.path for layer in found])
     _record(trainer, {FLOAT32_KEY: pinned}, reports)
-    return _placement_sentence(reports[0], found, pinned, time.perf_counter() - started)
+    return _placement_sentence(reports[0], evidence, pinned, time.perf_counter() - started)
+
+
+def cure(trainer) -> str:
+    """For a float16 run that diverged with finite inputs, the end of its one line: the finest layers
+    a probe of the weights it diverged at, on its next train batches, finds overflowing float16 and
+    the setting that moves them, or where to look when it finds none; and that mixed_bfloat16 has
+    float32's range. Nothing moves and nothing is recorded; '' for other compute dtypes."""
+    if trainer.policy.compute_dtype != tf.float16:
+        return ""
+    bfloat16 = "--config.precision.policy=mixed_bfloat16 has float32's range"
+    doctor = "python -m mixloop.diagnose with the same --config and --workdir"
+    batches = list(itertools.islice(trainer.train_iterator, trainer.config.precision.probe_batches))
+    if trainer.strategy.num_replicas_in_sync > 1 or not batches:
+        return f"; {doctor} names the layers that overflow float16, or {bfloat16}"
+    try:
+        paths = _probe(trainer, batches)[0].advice.float32_layers
+    except UserError:
+        return f"; {doctor} names the layers that overflow float16, or {bfloat16}"
+    if not paths:
+        return (f"; the precision probe of the weights it diverged at finds no layer overflowing "
+                f"float16 in the forward pass: {doctor} shows the gradients; {bfloat16}")
+    auto_layers, explicit = split_auto(trainer.config.precision.float32_layers)
+    regex = pinned_regex("|".join([AUTO] + ([explicit] if explicit else [])), paths)
+    when = ("from the start (--config.precision.heal=True --config.train.max_recoveries=1 moves "
+            "them mid-run)" if auto_layers else
+            "(the default 'auto' moves them before the first update)")
+    return (f"; the precision probe of the weights it diverged at finds {', '.join(paths)} "
+            f"overflowing float16: --config.precision.float32_layers='{regex}' computes them in "
+            f"float32 {when}, or {bfloat16}")
 
 
 def apply_recorded(trainer) -> str:
@@ -133,17 +170,17 @@ def apply_recorded(trainer) -> str:
 
 
 def check_replicas(config: Any, num_replicas: int) -> None:
-    """Refuses the automatic settings with several replicas (the probe runs on one device).
+    """Refuses healing with several replicas (its probe runs on one device); the other automatic
+    settings, defaults for float16, leave such a run unprobed instead (`start`).
 
     Raises:
-      ConfigError: naming the settings and the way out.
+      ConfigError: naming the setting and the way out.
     """
-    if is_wanted(config.precision) and num_replicas > 1:
+    if config.precision.heal and num_replicas > 1:
         raise ConfigError(
-            f"the automatic precision settings (precision.float32_layers=auto, initial_scale=auto, "
-            f"heal) probe on one device, but config.distribution={config.distribution!r} gives "
-            f"{num_replicas} replicas; run once with --config.distribution=one_device and pin the "
-            "regex and scale it logs")
+            f"precision.heal=True probes on one device, but config.distribution="
+            f"{config.distribution!r} gives {num_replicas} replicas; run once with "
+            "--config.distribution=one_device and pin the regex it logs")
 
 
 def pinned_regex(base: str, paths: Sequence[str]) -> str:
@@ -152,6 +189,20 @@ def pinned_regex(base: str, paths: Sequence[str]) -> str:
 
 
 # ----- Private helpers. -----
+
+
+def _place(trainer, batches: list) -> tuple[list[PrecisionReport], list, list[str]]:
+    """Probes `batches` and moves the layers the doctor advises to float32, the finest that need it
+    (a block is not moved for a sublayer's overflow: the sublayer is); returns the reports, the
+    layers moved and the evidence for each."""
+    reports = _probe(trainer, batches)
+    # The layers' values come from the one forward pass every objective shares: the first
+    # objective's advice on layers is every objective's.
+    found = _move(trainer, reports[0].advice.float32_layers)
+    layers = {layer.path: layer for layer in reports[0].layers}
+    evidence = [precision_report.hot_layer_problem(layers[layer.path], reports[0].layers)
+                for layer in found]
+    return reports, found, evidence
 
 
 def _probe(trainer, batches: Iterable[Any]) -> list[PrecisionReport]:
@@ -195,15 +246,13 @@ def _move(trainer, paths: Sequence[str]) -> list[layer_precision.Float32Layer]:
     return layer_precision.move_to_float32(trainer.model, trainer.policy, paths, REASON)
 
 
-def _placement_sentence(report: PrecisionReport, found: list, pinned: str, seconds: float) -> str:
-    """'probed N train batches in S s: <evidence per layer>; they compute in float32 (pin: ...)', or
-    that nothing needed moving and how close the largest 16-bit value came."""
+def _placement_sentence(report: PrecisionReport, evidence: list[str], pinned: str,
+                        seconds: float) -> str:
+    """'probed N train batches in S s: <evidence per layer moved>; moved to float32 (pin: ...)',
+    or that nothing needed moving and how close the largest 16-bit value came."""
     probed = f"probed {report.num_batches} train batches in {seconds:.1f} s"
-    layers = {layer.path: layer for layer in report.layers}
-    if found:
-        evidence = "; ".join(precision_report.hot_layer_problem(layers[layer.path])
-                             for layer in found)
-        return (f"{probed}: {evidence}; moved to float32 (to pin this placement: "
+    if evidence:
+        return (f"{probed}: {'; '.join(evidence)}; moved to float32 (to pin this placement: "
                 f"--config.precision.float32_layers='{pinned}')")
     low = [layer for layer in report.layers if layer.compute_dtype != "float32"]
     closest = min(low, key=lambda layer: layer.headroom_bits, default=None)

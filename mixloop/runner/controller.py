@@ -82,6 +82,9 @@ class Runnable(Protocol):
     def heal(self) -> str:
         """Moves the layers a probe finds overflowing to float32; what moved, or ''."""
 
+    def divergence_cure(self) -> str:
+        """What would cure a divergence with finite inputs ('; ...'), for the end of its line."""
+
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -204,8 +207,9 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest,
         _log_first_skips(trainer, interval, logged_first_skips)
         diverged = _divergence(trainer, totals)
         if diverged:
-            if recoveries >= config.train.max_recoveries:
-                raise guard.TrainingDiverged(diverged)  # Before any save: no bad checkpoint.
+            if recoveries >= config.train.max_recoveries:  # Before any save: no bad checkpoint.
+                raise guard.TrainingDiverged(
+                    diverged + _cure(trainer, bool(totals["last_inputs_finite"])))
             recoveries += 1
             healed = _recover(trainer, diverged, recoveries, bool(totals["last_inputs_finite"]))
             heals += healed
@@ -317,7 +321,7 @@ def _recover(trainer: Runnable, message: str, recoveries: int, inputs_finite: bo
     if path is None:
         hint = ("; a heal needs a checkpoint to restore (precision.float32_layers=auto probes "
                 "before the first update)" if trainer.config.precision.heal and inputs_finite else "")
-        raise guard.TrainingDiverged(message + hint)
+        raise guard.TrainingDiverged(message + hint + _cure(trainer, inputs_finite))
     healed = trainer.heal() if trainer.config.precision.heal and inputs_finite else ""
     logging.warning("%s %d of %d: %s. %sRestoring %s and continuing with later data.",
                     "Heal (recovery)" if healed else "Recovery", recoveries,
@@ -325,6 +329,11 @@ def _recover(trainer: Runnable, message: str, recoveries: int, inputs_finite: bo
                     f"Healing: {healed}. " if healed else "", path)
     trainer.restore_weights(path)
     return bool(healed)
+
+
+def _cure(trainer: Runnable, inputs_finite: bool) -> str:
+    """The precision cure for a divergence's one line; '' for bad data, which no precision cures."""
+    return trainer.divergence_cure() if inputs_finite else ""
 
 
 def _log_first_skips(trainer: Runnable, interval: reporting.Interval, logged: set) -> None:

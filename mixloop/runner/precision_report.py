@@ -23,9 +23,10 @@ two at which a 16-bit dtype holds a gradient g with m doublings to spare::
 
 The advice keeps `MARGIN_BITS` doublings free for batches and updates the diagnosis did not see::
 
-    keep in float32   = 16-bit layers whose float32 inputs or outputs come within MARGIN_BITS doublings
-                        of their compute dtype's largest finite value, or that turn finite inputs into
-                        inf or NaN
+    keep in float32   = the finest 16-bit layers whose float32 inputs or outputs come within
+                        MARGIN_BITS doublings of their compute dtype's largest finite value, or that
+                        turn finite inputs into inf or NaN: a block that does so only because a
+                        sublayer does is not listed, the sublayer is
     initial scale     = s(float16, largest gradient left in float16 by that advice, MARGIN_BITS)
     bfloat16 is safe  = every 16-bit value stays MARGIN_BITS doublings inside bfloat16's range, and at
                         most UNDERFLOW_TOLERANCE of the gradients flush to zero without a loss scale
@@ -692,8 +693,8 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
     problem of the objective's gradients ("" with a single objective)."""
     low_layers = [layer for layer in layers if layer.compute_dtype != "float32"]
     low_variables = [variable for variable in variables if variable.dtype != "float32"]
-    hot = [layer for layer in low_layers if not layer.float32_non_finite_outputs
-           and (layer.headroom_bits < MARGIN_BITS or layer.creates_non_finite)]
+    hot = finest(layer for layer in low_layers if not layer.float32_non_finite_outputs
+                 and (layer.headroom_bits < MARGIN_BITS or layer.creates_non_finite))
     hot_paths = [layer.path for layer in hot]
     explicit = split_auto(precision.float32_layers)[1]  # "auto|" is no pin.
     regex = "|".join(([explicit] if explicit else [])
@@ -757,7 +758,7 @@ def _problems(layers: list[LayerReport], hot: list[LayerReport], fractions: list
     problems = [f"{layer.path}: {layer.float32_non_finite_outputs} outputs are inf or NaN even in "
                 "float32, which no precision setting fixes" for layer in layers
                 if layer.float32_non_finite_outputs]
-    problems += [hot_layer_problem(layer) for layer in hot]
+    problems += [hot_layer_problem(layer, layers) for layer in hot]
     zero_fraction, _, overflow_fraction = fractions
     if zero_fraction > UNDERFLOW_TOLERANCE:
         problems.append(f"{whose}gradients underflow at loss scale {scale:g}: {zero_fraction:.1%} of "
@@ -768,8 +769,19 @@ def _problems(layers: list[LayerReport], hot: list[LayerReport], fractions: list
     return problems
 
 
-def hot_layer_problem(layer: LayerReport) -> str:
-    """Why the doctor keeps `layer` in float32: '<path> (<dtype>): values up to ... exceed ...'."""
+def finest(hot: Iterable[LayerReport]) -> list[LayerReport]:
+    """The `hot` layers none of whose sublayers is hot: a block or a backbone is hot because a
+    layer inside it is, so moving only that one keeps the rest of the block in 16 bits."""
+    hot = list(hot)
+    return [layer for layer in hot
+            if not any(_is_under(other.path, [layer.path]) and other.path != layer.path
+                       for other in hot)]
+
+
+def hot_layer_problem(layer: LayerReport, layers: Sequence[LayerReport] = ()) -> str:
+    """Why the doctor keeps `layer` in float32: '<path> (<dtype>): values up to ... exceed ...';
+    when `layers` (the whole report's) hold sublayers of it, none of which is hot, that the
+    culprit is its own code (an op it calls directly), of which it is the smallest layer."""
     largest = DtypeRange.of(layer.compute_dtype).max_finite
     limit = f"{layer.compute_dtype}'s largest finite value, {largest:g}"
     reasons = []
@@ -780,6 +792,8 @@ def hot_layer_problem(layer: LayerReport) -> str:
                        f"doublings of {limit}")
     if layer.creates_non_finite:
         reasons.append(f"it turned finite inputs into {layer.non_finite_outputs} inf or NaN outputs")
+    if any(other.path.startswith(layer.path + "/") for other in layers):
+        reasons.append("in its own ops, not in a sublayer (the smallest layer that holds them)")
     return f"{layer.path} ({layer.compute_dtype}): " + "; ".join(reasons)
 
 

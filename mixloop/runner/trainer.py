@@ -207,6 +207,11 @@ class Trainer:
         the loops (`auto_precision.heal`); returns what moved, '' for nothing."""
         return auto_precision.heal(self)
 
+    def divergence_cure(self) -> str:
+        """What would cure a divergence in float16 ('; ...' for the end of its line; '' in other
+        dtypes): the layers a probe of the current weights finds (`auto_precision.cure`)."""
+        return auto_precision.cure(self)
+
     def _inner_loop(self, iterator, num_steps: tf.Tensor) -> dict[str, Any]:
         """The inner loop: up to `num_steps` train steps in one graph, returning sums for reporting.
 

@@ -54,7 +54,7 @@ import tensorflow as tf
 from absl import flags, logging
 
 from mixloop import cli
-from mixloop.config import AUTO, validate
+from mixloop.config import AUTO, split_auto, validate
 from mixloop.engine import layer_precision
 from mixloop.engine.loss import Loss, as_loss, as_losses
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
@@ -161,7 +161,8 @@ def bare_variant(trainer, data: tf.data.Dataset, jit_compile: bool, name: str = 
     """The least any framework does: forward, loss, gradient, clipping, update, in a tf.function
     loop, the step compiled with XLA or not."""
     config, policy = trainer.config, trainer.policy
-    model = layer_precision.build_model(trainer.build_model, policy, config.precision.float32_layers)
+    model = layer_precision.build_model(trainer.build_model, policy,
+                                        split_auto(config.precision.float32_layers)[1])
     optimizer = _with_clipping(trainer.build_optimizer(), config.train.clip_global_norm)
 
     @tf.function(jit_compile=jit_compile)
