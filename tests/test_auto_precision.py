@@ -353,8 +353,8 @@ def hot_scaled(tmp_path_factory):
 
 
 def test_auto_initial_scale_is_the_doctors_advice(tmp_path, hot_scaled):
-    doctor = make_trainer(hot_experiment, None, tmp_path)  # The same weights, the probe's batches.
-    [report] = diagnose_batches(doctor, ["model"], itertools.islice(doctor.make_train_iterator(0), 2))
+    doctor = make_trainer(hot_experiment, None, tmp_path)  # The same weights, the probe's batches:
+    [report] = diagnose_batches(doctor, ["model"], itertools.islice(doctor.train_iterator, 2))
     advised = initial_scale_keeping(report, ["hot", "squash"])
     assert advised == report.advice.initial_scale
     # The rule: the largest power of two keeping the largest float16 gradient 2**3 below 65504.
@@ -407,11 +407,20 @@ def test_healing_with_several_replicas_is_refused_before_anything_is_written(tmp
     assert not workdir_path.exists()
 
 
-def test_the_default_probe_is_skipped_with_several_replicas_and_says_so(tmp_path):
-    trainer, log = started_tiny(tmp_path / "run", distribution="mirrored")
+@pytest.mark.parametrize("distribution, reason", [
+    ("mirrored", "the probe runs on one device and this run has 2 replicas"),
+    # Its iterator is not in the checkpoint: the probe could not put the data position back.
+    ("one_device", "the probe reads the run's next batches and puts its data position back, which "
+                   "a checkpoint cannot hold here (generator data, or a strategy other than the "
+                   "default), and an iterator of its own would change the run's data order"),
+])
+def test_the_default_probe_is_skipped_where_it_cannot_run_and_says_so(tmp_path, distribution,
+                                                                      reason):
+    trainer, log = started_tiny(tmp_path / "run", distribution=distribution)
     [line] = [m for m in log if m.startswith("Automatic precision: not probed")]
-    assert "this run has 2 replicas; no layer moves and a dynamic loss scale starts at 32768" in line
+    assert f"not probed, {reason}; no layer moves and a dynamic loss scale starts at 32768" in line
     assert float(trainer.objectives["model"].loss_scale.scale.numpy()) == 2.0**15
+    assert not (tmp_path / "run" / "precision").exists()
 
 
 @pytest.mark.slow

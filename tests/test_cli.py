@@ -45,8 +45,8 @@ def test_an_error_outside_the_experiments_trainer_code_keeps_its_traceback():
         mixloop.Trainer.build_datasets(trainer)
     with pytest.raises(ValueError) as outside_a_trainer:
         int("not a number")
-    assert cli._hook_failure(in_mixloop.value) is None
-    assert cli._hook_failure(outside_a_trainer.value) is None
+    assert cli._hook_failure(in_mixloop.value, set()) is None
+    assert cli._hook_failure(outside_a_trainer.value, set()) is None
 
 
 @pytest.mark.parametrize("argv, orig_argv, starting", [

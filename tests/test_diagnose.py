@@ -162,7 +162,9 @@ def test_faint_gradients_underflow_until_the_advised_scale_is_applied(tmp_path):
 
 
 def test_the_advice_cures_a_run_that_skipped_every_step(tmp_path, hot_report):
-    before = make_trainer(hot_experiment, tmp_path / "before")
+    # Plain float16 (the automatic settings, its defaults, would apply the advice themselves).
+    before = make_trainer(hot_experiment, tmp_path / "before", **{
+        "precision.float32_layers": "", "precision.initial_scale": 2.0**15})
     # The divergence guard stops a run as soon as the float32 loss is NaN.
     with pytest.raises(UserError, match="diverged at step 1: the float32 loss is nan"):
         before.train()

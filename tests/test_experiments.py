@@ -56,6 +56,32 @@ def test_bert_mlm_quick(tmp_path):
     assert (tmp_path / "model.keras").exists()
 
 
+def test_vit_digits_quick(tmp_path):
+    pytest.importorskip("keras_hub")
+    result = run_cli("--config=experiments/vit_digits.py:quick", f"--workdir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "precision.float32_layers=auto: probed 2 train batches" in result.stderr
+    assert last_eval(result.stderr)["accuracy"] > 0.3  # Chance is 0.1.
+    assert (tmp_path / "model.keras").exists()
+
+
+def test_reversal_examples_reverse_each_sequence_and_teacher_force_it():
+    from experiments.t5_reverse import NUM_SPECIAL, PAD, START, reversal_examples
+
+    arrays = reversal_examples(64, num_symbols=5, seq_len=8, rng=np.random.default_rng(0))
+    for row in range(64):
+        length = int(arrays["encoder_padding_mask"][row].sum())
+        sequence = arrays["encoder_token_ids"][row, :length]
+        assert 4 <= length <= 8 and (sequence >= NUM_SPECIAL).all()
+        assert (arrays["encoder_token_ids"][row, length:] == PAD).all()
+        assert list(arrays["targets"][row, :length]) == list(sequence[::-1])
+        assert (arrays["targets"][row, length:] == PAD).all()
+        assert arrays["decoder_token_ids"][row, 0] == START
+        assert list(arrays["decoder_token_ids"][row, 1:length]) == list(sequence[::-1][:-1])
+        # START and the reversal (its last token is read only past the last target, if at all).
+        assert arrays["decoder_padding_mask"][row].sum() == min(length + 1, 8)
+
+
 @pytest.fixture
 def bert_mlm(monkeypatch):
     """The experiment module, imported as the CLI imports it: from the repository root."""

@@ -36,7 +36,8 @@ def checkpoint_steps(directory):
 
 def test_too_many_consecutive_skips_stop_the_run(tmp_path):
     trainer = make_trainer(tmp_path, **{"data.overflow_batches": list(range(9, 32)),
-                                        "train.max_consecutive_skips": 3})
+                                        "train.max_consecutive_skips": 3,
+                                        "precision.initial_scale": 2.0**15})
     with pytest.raises(guard.TrainingDiverged) as raised:
         trainer.train()
     message = str(raised.value)
@@ -45,7 +46,8 @@ def test_too_many_consecutive_skips_stop_the_run(tmp_path):
     assert "loss scale 8192" in message  # 2**15 halved by the first two skips.
     # The float32 logits layer holds 1e9-sized gradients; the float16 body below it overflows.
     assert "non-finite gradients first in hidden_0/kernel, hidden_0/bias in layer(s) hidden_0" in message
-    assert message.endswith("last good checkpoint: " + str(tmp_path / "checkpoints" / "ckpt-8"))
+    assert "; last good checkpoint: " + str(tmp_path / "checkpoints" / "ckpt-8") + "; " in message
+    assert message.endswith("--config.precision.policy=mixed_bfloat16 has float32's range")
     assert checkpoint_steps(tmp_path) == [4, 8]  # No checkpoint of the diverged state.
 
 

@@ -99,7 +99,8 @@ def events(directory):
 
 @pytest.mark.parametrize("distribution", ["one_device", "mirrored"])
 def test_two_objectives_report_their_own_scales_and_skips(tmp_path, distribution):
-    trainer = make(tmp_path, distribution=distribution, **{"train.num_steps": 20})
+    trainer = make(tmp_path, distribution=distribution, **{"train.num_steps": 20,
+                                                           "precision.initial_scale": 2.0**15})
     trainer.train()
     train = events(str(tmp_path / "train"))
     assert {"loss/a", "loss/b", "loss_scale/a", "loss_scale/b", "skipped_total/a", "skipped_total/b",

@@ -1,6 +1,7 @@
 """The Trainer in-process: workdir contents, TensorBoard tags, resume equivalence, export."""
 
 import glob
+import json
 import os
 
 import keras
@@ -53,7 +54,9 @@ def test_train_writes_the_workdir(tmp_path):
     train_events = read_events(tmp_path / "train")
     assert TRAIN_TAGS <= set(train_events)
     assert [step for step, _ in train_events["loss"]] == [10, 20, 30, 40]
-    assert train_events["loss_scale"][-1][1] == 2.0**15
+    # float16's default initial_scale=auto: where the probe put it, recorded in config.json.
+    started = json.load(open(tmp_path / "config.json"))["resolved"]["precision.initial_scale"]
+    assert train_events["loss_scale"][-1][1] == started
     assert {"loss", "accuracy"} <= set(read_events(tmp_path / "eval"))
 
 

@@ -5,9 +5,12 @@ train batches from the current weights; what it advises is applied instead of pr
 
     start (before the first trace; on resume from the restored weights), `start`:
         move back to float32 the layers config.json's `resolved` record names (earlier probes' finds)
-        only for float16 compute on one device (both settings are its defaults; bfloat16 has
-            float32's range; several replicas: not probed, said in a line):
-        probe batches from an iterator of the probe's own (the run's data position does not move)
+        only for float16 compute (both settings are its defaults; bfloat16 has float32's range),
+            on one device, with a data position a checkpoint holds (else not probed, said in a
+            line):
+        probe the run's next batches, its data position put back (a second iterator over data
+            that reshuffles would change the run's order); a probe that fails on them is skipped
+            with a line (the train step reports the data's or the model's error)
         float32_layers=auto: move to float32 the 16-bit layers the doctor advises, the finest
             whose values come within MARGIN_BITS doublings of their dtype's largest finite value
             or that turn finite inputs into inf or NaN (not a block for its sublayer's), with
@@ -33,6 +36,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import tempfile
 import time
 from typing import Any, Iterable, Sequence, Union
 
@@ -74,21 +78,31 @@ def start(trainer) -> None:
     if trainer.policy.compute_dtype != tf.float16:
         return  # bfloat16 has float32's range: nothing to place, no loss scale to start.
     replicas = trainer.strategy.num_replicas_in_sync
-    if replicas > 1:
-        logging.warning("Automatic precision: not probed, the probe runs on one device and this run "
-                        "has %d replicas; no layer moves and a dynamic loss scale starts at %g (to "
-                        "pin what a one-device run finds: --config.precision.float32_layers=REGEX "
-                        "--config.precision.initial_scale=SCALE)", replicas, DEFAULT_INITIAL_SCALE)
+    unprobed = (f"the probe runs on one device and this run has {replicas} replicas" if replicas > 1
+                else None if trainer.iterator_in_checkpoint else
+                "the probe reads the run's next batches and puts its data position back, which a "
+                "checkpoint cannot hold here (generator data, or a strategy other than the "
+                "default), and an iterator of its own would change the run's data order")
+    if unprobed:
+        logging.warning("Automatic precision: not probed, %s; no layer moves and a dynamic loss "
+                        "scale starts at %g (to pin what a probed run finds: "
+                        "--config.precision.float32_layers=REGEX --config.precision.initial_scale="
+                        "SCALE)", unprobed, DEFAULT_INITIAL_SCALE)
         return
     started = time.perf_counter()
-    # The run's own iterator first: a fast-forwarded one made after the probe's would start another
-    # shuffle order than it does in a run without the probe, or resumed.
-    trainer.train_iterator  # The property makes it.
-    batches = list(itertools.islice(trainer.make_train_iterator(0), precision.probe_batches))
-    if auto_layers:
-        reports, found, evidence = _place(trainer, batches)
-    else:
-        reports, found, evidence = _probe(trainer, batches), [], []
+    try:
+        batches = _next_batches_put_back(trainer, precision.probe_batches)
+        if auto_layers:
+            reports, found, evidence = _place(trainer, batches)
+        else:
+            reports, found, evidence = _probe(trainer, batches), [], []
+    except (UserError, tf.errors.OpError) as error:
+        # The train step meets the same data or model and says what is wrong in its own words.
+        summary = error if isinstance(error, UserError) else controller.op_error_summary(error)
+        logging.warning("Automatic precision: not probed, the probe failed on the train batches "
+                        "(%s); no layer moves and the loss scales start where config.precision "
+                        "starts them", summary)
+        return
     seconds = time.perf_counter() - started
     pinned = pinned_regex(recorded or explicit, [layer.path for layer in found])
     if auto_layers:
@@ -189,6 +203,24 @@ def pinned_regex(base: str, paths: Sequence[str]) -> str:
 
 
 # ----- Private helpers. -----
+
+
+def _next_batches_put_back(trainer, num_batches: int) -> list:
+    """The run's next `num_batches` train batches, its data position put back afterwards, so the
+    run reads them again: a second iterator over a dataset that reshuffles would move the shuffle
+    seed it shares with the run's, and a resumed run would see another order than a straight one.
+
+    Raises:
+      tf.errors.OpError: when reading the data fails (its position is put back all the same).
+    """
+    position = tf.train.Checkpoint(iterator=trainer.train_iterator)
+    parent = trainer.workdir if os.path.isdir(trainer.workdir) else None  # Its lock is held there.
+    with tempfile.TemporaryDirectory(prefix=".precision-probe-", dir=parent) as directory:
+        saved = position.write(os.path.join(directory, "position"))
+        try:
+            return list(itertools.islice(trainer.train_iterator, num_batches))
+        finally:
+            position.read(saved).assert_consumed()
 
 
 def _place(trainer, batches: list) -> tuple[list[PrecisionReport], list, list[str]]:
