@@ -4,42 +4,18 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import slow_start_experiment
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
+from cli_runs import TESTS_DIR, TINY_CONFIG, command_line, error_lines, run, snapshot
 
 pytestmark = pytest.mark.slow
 
 
-def cli_command(*args, prefix=()):
-    """The command line and environment of `python -m mixloop.train args`, run via `prefix`."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    return [*prefix, sys.executable, "-m", "mixloop.train", *args], env
-
-
-def run_cli(*args, cwd=None, prefix=()):
-    command, env = cli_command(*args, prefix=prefix)
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
-
-
-def error_lines(result):
-    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
-
-
-def snapshot(directory):
-    """Every file under `directory` with its size and modification time."""
-    found = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            stat = os.stat(os.path.join(root, name))
-            found[os.path.join(root, name)] = (stat.st_size, stat.st_mtime_ns)
-    return found
+def run_cli(*args, **options):
+    return run("mixloop.train", *args, **options)
 
 
 def test_trains_end_to_end_with_default_workdir(tmp_path):
@@ -189,7 +165,7 @@ def test_an_interrupted_startup_is_one_line_and_writes_nothing(tmp_path, signal_
     before importing TensorFlow), SIGTERM while the experiment builds its model."""
     workdir = tmp_path / "run"
     config = TINY_CONFIG if signal_number == signal.SIGINT else slow_start_experiment.__file__
-    command, env = cli_command(f"--config={config}", f"--workdir={workdir}")
+    command, env = command_line("mixloop.train", f"--config={config}", f"--workdir={workdir}")
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
         if signal_number == signal.SIGINT:  # Python alone catches only SIGINT.
