@@ -1,7 +1,9 @@
 """Running mixloop's commands as a user does, for the end-to-end tests: the command line and its
 environment, the `error:` lines it printed, what a workdir holds, and a signal sent mid-way."""
 
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +41,12 @@ def snapshot(directory):
     return found
 
 
+def checkpoint_steps(workdir):
+    """The steps of the checkpoints in `workdir` with an index file, in order."""
+    return sorted(int(path.rsplit("-", 1)[1].split(".")[0])
+                  for path in glob.glob(os.path.join(workdir, "checkpoints", "ckpt-*.index")))
+
+
 def interrupted(command, *args, signal_number=signal.SIGINT, after=""):
     """Runs `python -m <command> args`, sends it `signal_number` once a line of its stderr contains
     `after`, and returns its exit code and the stderr that followed."""
@@ -52,3 +60,14 @@ def interrupted(command, *args, signal_number=signal.SIGINT, after=""):
         return process.returncode, stderr
     finally:
         process.kill()
+
+
+def without_root_file_access():
+    """A prefix that runs a command as root without its power to bypass file permissions (what a
+    chmod means to everyone else), or None when that cannot be had."""
+    if os.geteuid() != 0:
+        return ()
+    prefix = ("setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search", "--")
+    if shutil.which("setpriv") and subprocess.run([*prefix, "true"]).returncode == 0:
+        return prefix
+    return None
