@@ -7,8 +7,7 @@ import contextlib
 import importlib
 import os
 import sys
-import sysconfig
-import traceback
+import tempfile
 import types
 from typing import Any, Callable, Iterator, Optional
 
@@ -16,12 +15,50 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mixloop import interrupts
+from mixloop import errors, interrupts
 from mixloop.config import validate
 from mixloop.errors import UserError
+from mixloop.runner import workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file, PATH[:VARIANT].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; defaults to runs/<config name>.")
+_CONFIG_ADVICE = ("the experiment's ml_collections.ConfigDict (start from "
+                  "mixloop.config.base_config())")
+
+
+class _ConfigFileParser(flags.ArgumentParser):
+    """config_flags' parser of --config=PATH[:VARIANT] (`loader`), with one line naming the file for
+    what it cannot make a config of: no such file, a folder, no `get_config`, or `get_config`
+    returning something other than a ConfigDict (a plain dict is taken as one)."""
+
+    def __init__(self, loader: flags.ArgumentParser):
+        self._loader = loader
+
+    def parse(self, path: str) -> ml_collections.ConfigDict:
+        file = path.split(":")[0]
+        if os.path.isdir(file):
+            raise UserError(f"config file {file!r} is a folder; --config=PATH[:VARIANT] names a Python "
+                            "file that defines get_config(arg=None), such as experiments/digits.py")
+        if not os.path.isfile(file):
+            raise UserError(f"config file {file!r} does not exist")
+        try:
+            config = self._loader.parse(path)
+        except AttributeError as error:
+            if error.name == "get_config" and isinstance(error.obj, types.ModuleType):
+                raise UserError(f"config file {file!r} defines no get_config(); define "
+                                f"get_config(arg=None) returning {_CONFIG_ADVICE}") from None
+            raise
+        if isinstance(config, dict):
+            config = ml_collections.ConfigDict(config)
+            config.lock()  # As config_flags locks one: an override of a key it lacks is an error.
+        if not isinstance(config, ml_collections.ConfigDict):
+            returned = "None (a missing return?)" if config is None else f"a {type(config).__name__}"
+            raise UserError(f"get_config() in config file {file!r} returned {returned}; return "
+                            f"{_CONFIG_ADVICE}")
+        return config
+
+
+flags.FLAGS["config"].parser = _ConfigFileParser(flags.FLAGS["config"].parser)
 
 
 def default_workdir(config_path: str) -> str:
@@ -66,6 +103,28 @@ def build_trainer(config: ml_collections.ConfigDict, workdir: str):
     return import_trainer(config.trainer)(config, workdir)
 
 
+def check_output(path: str, *, folder: bool) -> None:
+    """Refuses --output=`path` before a tool's work when what it writes at the end could not go
+    there: an existing file (a folder, for a tool that writes a folder of files), a path under a
+    file, or a place this process may not write to (tried with a temporary file, removed).
+
+    Raises:
+      UserError: naming the path and the way out.
+    """
+    existing = workdir.nearest_existing(path)
+    if existing == os.path.normpath(path) and (not folder or not os.path.isdir(existing)):
+        what = "the folder of files it writes" if folder else "the file it writes"
+        raise UserError(f"--output={path} exists; name a new place for {what}, or move it away")
+    if not os.path.isdir(existing):
+        raise UserError(f"--output={path} is under {existing}, which is a file, not a folder; "
+                        "choose another --output")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise UserError(f"cannot write --output={path}: {error.strerror} ({existing}); choose a "
+                        "place you can write to") from None
+
+
 def experiment_from_flags() -> tuple[ml_collections.ConfigDict, str]:
     """The parsed config and the workdir. The config file's folder and the current directory join
     the import path, so `config.trainer` may name a module beside the config or under the cwd."""
@@ -75,12 +134,10 @@ def experiment_from_flags() -> tuple[ml_collections.ConfigDict, str]:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    """Parses the flags; a missing config file or a bad override is one line and exit status 2."""
+    """Parses the flags; a config file that does not load or a bad override is one line and exit
+    status 2."""
     try:
         remaining = flags.FLAGS(argv)
-        config_file = flags.FLAGS["config"].config_filename.split(":")[0]
-        if not os.path.isfile(config_file):
-            raise FileNotFoundError(f"config file {config_file!r} does not exist")
         if len(remaining) > 1:
             raise ValueError(f"unexpected argument {' '.join(map(repr, remaining[1:]))}: the command "
                              "takes only flags (--config=PATH[:VARIANT], --workdir=DIR, "
@@ -109,20 +166,6 @@ def _unknown_key(detail: str) -> str:
     return f"unknown config key {key} in a --config override. {suggestion}".strip()
 
 
-# Where code that is not the experiment's lives: mixloop, Python's library, installed packages.
-_LIBRARY_FOLDERS = tuple(os.path.join(folder, "") for folder in {
-    os.path.dirname(os.path.abspath(__file__)),
-    *(sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib"))})
-
-
-def _is_user_code(frame: types.FrameType) -> bool:
-    """Whether `frame` runs the experiment's own code: not mixloop, Python, an installed package,
-    or code TensorFlow generated."""
-    filename = frame.f_code.co_filename
-    return not (filename.startswith(_LIBRARY_FOLDERS) or filename.startswith("<")
-                or "__autograph_generated_file" in filename)
-
-
 @contextlib.contextmanager
 def _config_reads() -> Iterator[set[tuple[int, str]]]:
     """Records (id of the ConfigDict, key) for every config value the experiment's own code reads
@@ -136,7 +179,7 @@ def _config_reads() -> Iterator[set[tuple[int, str]]]:
         caller = sys._getframe(1)
         while caller is not None and caller.f_code.co_filename == _CONFIG_DICT_FILE:
             caller = caller.f_back  # ConfigDict's __getattr__ reads through __getitem__.
-        if caller is not None and _is_user_code(caller):
+        if caller is not None and errors.is_user_code(caller):
             reads.add((id(config), key))
         return value
 
@@ -172,16 +215,13 @@ def _hook_failure(error: Exception, reads: set[tuple[int, str]]) -> Optional[Use
     when no such method is on the traceback (a bug elsewhere keeps its traceback)."""
     from mixloop.runner.trainer import Trainer
 
-    user_frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)
-                   if _is_user_code(frame)]
-    hooks = [frame for frame, _ in user_frames if isinstance(frame.f_locals.get("self"), Trainer)]
+    hooks = [frame for frame, _ in errors.user_frames(error)
+             if isinstance(frame.f_locals.get("self"), Trainer)]
     if not hooks:
         return None
-    failed, line = user_frames[-1]
     overrides = _overrides_read(reads)
-    return UserError(f"{hooks[0].f_code.co_name}() failed: {type(error).__name__}: "
-                     f"{' '.join(str(error).split())} (at {failed.f_code.co_filename}:{line}); check "
-                     "the config values it reads"
+    return UserError(f"{hooks[0].f_code.co_name}() failed: {errors.described(error)}; check the "
+                     "config values it reads"
                      + (f" (set on the command line: {overrides})" if overrides else ""))
 
 

@@ -3,7 +3,8 @@
 `config.data` knobs: `nan_batches` (batch indices whose inputs are NaN), `overflow_batches` (batch
 indices whose loss is multiplied by 1e9, so float16 gradients overflow at any scale),
 `drop_batches` (batch indices left out), `label_offset`
-(pushes labels out of range), `num_examples`, `num_eval` (0: an empty eval set); data sources:
+(pushes labels out of range), `eval_label_offset` (the same for the eval labels alone),
+`num_examples`, `num_eval` (0: an empty eval set); data sources:
 `generator` (the train batches come from a Python generator, `tf.data.Dataset.from_generator`,
 whose iterator TensorFlow cannot checkpoint), `raise_at_batch` (the generator raises ValueError
 at that batch index, -1: never), `bad_shape_batch` (that batch index has 9 features, not 8; -1:
@@ -73,7 +74,7 @@ class FaultyTrainer(mixloop.Trainer):
         else:
             train = train.batch(batch_size, drop_remainder=True)
         evaluation = tf.data.Dataset.from_tensor_slices((features[:data.num_eval],
-                                                         labels[:data.num_eval]))
+                                                         labels[:data.num_eval] + data.eval_label_offset))
         return train, evaluation.batch(32, drop_remainder=True)
 
     def compute_loss(self, outputs, batch):
@@ -116,6 +117,7 @@ def get_config(arg=None):
     config.data.overflow_batches = ()  # Batch indices whose loss is scaled by OVERFLOW_FACTOR.
     config.data.drop_batches = ()  # Batch indices left out of the train data.
     config.data.label_offset = 0  # Added to every label; 3 or more is out of range.
+    config.data.eval_label_offset = 0  # Added to the eval labels too.
     config.data.generator = False  # True: train batches from a Python generator (uncheckpointable).
     config.data.raise_at_batch = -1  # The generator raises ValueError at this batch index.
     config.data.bad_shape_batch = -1  # This batch index has 9 features instead of 8.

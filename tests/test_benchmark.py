@@ -4,27 +4,21 @@ on: the inner loop is traced once, whatever the loop lengths, and entered from P
 import json
 import logging
 import math
-import os
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
+import cli_runs
 import pytest
 import tensorflow as tf
 import tiny_experiment
 
+from cli_runs import TINY_CONFIG
 from mixloop.tools import benchmark
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
 
 
 def run_cli(*args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "mixloop.benchmark", *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+    return cli_runs.run("mixloop.benchmark", *args)
 
 
 @pytest.mark.slow

@@ -50,18 +50,20 @@ def test_an_error_outside_the_experiments_trainer_code_keeps_its_traceback():
 
 
 @pytest.mark.parametrize("argv, orig_argv, starting", [
-    (["-m"], ["python", "-m", "mixloop.train", "--config=c.py"], True),
-    (["-m"], ["python", "-X", "importtime", "-m", "mixloop.train"], True),
-    (["-m"], ["python", "-mmixloop.train"], True),
-    (["-m"], ["python", "-m", "mixloop.benchmark"], False),
-    (["-m"], ["python", "-m", "pytest", "-m", "mixloop.train"], False),  # A marker expression.
-    (["script.py"], ["python", "script.py", "-m", "mixloop.train"], False),
+    (["-m"], ["python", "-m", "mixloop.train", "--config=c.py"], "mixloop.train"),
+    (["-m"], ["python", "-X", "importtime", "-m", "mixloop.train"], "mixloop.train"),
+    (["-m"], ["python", "-mmixloop.train"], "mixloop.train"),
+    (["-m"], ["python", "-m", "mixloop.benchmark"], "mixloop.benchmark"),
+    (["-m"], ["python", "-m", "mixloop.diagnose"], "mixloop.diagnose"),
+    (["-m"], ["python", "-m", "mixloop.cli"], None),
+    (["-m"], ["python", "-m", "pytest", "-m", "mixloop.train"], None),  # A marker expression.
+    (["script.py"], ["python", "script.py", "-m", "mixloop.train"], None),
 ])
-def test_the_startup_handlers_are_armed_only_for_the_train_command(monkeypatch, argv, orig_argv,
-                                                                    starting):
+def test_the_quiet_handlers_are_armed_only_for_mixloops_commands(monkeypatch, argv, orig_argv,
+                                                                  starting):
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.setattr(sys, "orig_argv", orig_argv)
-    assert interrupts.is_starting_command() == starting
+    assert interrupts.starting_command() == starting
 
 
 def test_disarming_gives_back_pythons_handlers(monkeypatch):

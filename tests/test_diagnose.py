@@ -5,9 +5,9 @@ import glob
 import json
 import math
 import os
-import subprocess
 import sys
 
+import cli_runs
 import hot_experiment
 import keras
 import numpy as np
@@ -343,24 +343,14 @@ def test_png_output_is_an_image(tmp_path, hot_report):
 
 
 def run_cli(*args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "mixloop.diagnose", *args], capture_output=True,
-                          text=True, env=env, timeout=300)
-
-
-def snapshot(directory):
-    """Every file under `directory` with its size and modification time."""
-    return {os.path.join(root, name): (os.stat(os.path.join(root, name)).st_size,
-                                       os.stat(os.path.join(root, name)).st_mtime_ns)
-            for root, _, files in os.walk(directory) for name in files}
+    return cli_runs.run("mixloop.diagnose", *args)
 
 
 @pytest.mark.slow
 def test_cli_diagnoses_the_latest_checkpoint_and_leaves_the_workdir(tmp_path):
     workdir, output = tmp_path / "run", tmp_path / "diagnosis"
     make_trainer(tiny_experiment, workdir, **{"train.num_steps": 10}).train()
-    before = snapshot(workdir)
+    before = cli_runs.snapshot(workdir)
     result = run_cli(f"--config={TESTS_DIR}/tiny_experiment.py", f"--workdir={workdir}", "--steps=2",
                      f"--output={output}")
 
@@ -368,7 +358,7 @@ def test_cli_diagnoses_the_latest_checkpoint_and_leaves_the_workdir(tmp_path):
     assert "Precision report: tiny_experiment.TinyTrainer at step 10" in result.stdout
     assert "Problems:\n  none" in result.stdout
     assert json.loads((output / "report.json").read_text())["step"] == 10
-    assert snapshot(workdir) == before
+    assert cli_runs.snapshot(workdir) == before
 
 
 @pytest.mark.slow

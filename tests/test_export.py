@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tiny_experiment
 
+from mixloop.errors import UserError
 from mixloop.runner import exporting
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,3 +151,18 @@ def test_an_export_keras_cannot_save_is_a_warning_not_a_traceback(tmp_path, capl
     assert warning.startswith("Could not export the model (the checkpoints hold the trained "
                               "weights): NotImplementedError: ")
     assert not {"model.keras", "model-partial.keras"} & set(os.listdir(tmp_path))
+
+
+def test_a_model_keras_folder_made_during_the_run_is_one_line_and_leaves_no_partial_export(tmp_path):
+    """A folder in its place at the start is refused then (test_train_cli); one made later fails
+    the export's rename, which says so and removes the half it wrote."""
+    trainer = tiny_experiment.TinyTrainer(tiny_experiment.get_config(), str(tmp_path))
+    (tmp_path / "model.keras").mkdir()
+
+    with pytest.raises(UserError) as raised:
+        trainer.export()
+
+    assert str(raised.value) == (
+        f"could not export the model to {tmp_path}/model.keras: Is a directory; move it away and run "
+        "the same command to export the trained weights (the checkpoints hold them)")
+    assert sorted(os.listdir(tmp_path)) == ["model.keras"]

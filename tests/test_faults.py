@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from cli_runs import checkpoint_steps
 from mixloop.errors import UserError
-from mixloop.runner import guard, workdir
+from mixloop.runner import controller, guard, workdir
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FAULTY_CONFIG = os.path.join(TESTS_DIR, "faulty_experiment.py")
@@ -25,11 +26,6 @@ def make_trainer(directory, **overrides):
         section, _, field = key.rpartition(".")
         (config[section] if section else config)[field] = value
     return faulty_experiment.FaultyTrainer(config, str(directory))
-
-
-def checkpoint_steps(directory):
-    return sorted(int(path.rsplit("-", 1)[1].split(".")[0])
-                  for path in glob.glob(os.path.join(directory, "checkpoints", "ckpt-*.index")))
 
 
 # ----- Divergence guard -----
@@ -119,6 +115,23 @@ def test_labels_out_of_range_are_named(tmp_path):
                                         r"not in \[0, 3\) \(an integer input, such as a label, "
                                         r"outside its valid range\)$"):
         make_trainer(tmp_path, **{"data.label_offset": 1, "jit_compile": False}).train()
+
+
+@pytest.mark.parametrize("failing_op, summary", [
+    (lambda: tf.gather(tf.zeros([96, 2]), [3, 96]), "indices[1] = 96 is not in [0, 96)"),
+    (lambda: tf.math.unsorted_segment_sum(tf.ones([31]), tf.range(66, 97), 96),
+     "segment_ids[30] = 96 is out of range [0, 96)"),
+    (lambda: tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(  # The kernel behind Keras's loss.
+        features=tf.zeros([2, 96]), labels=[1, 96]),
+     "Received a label value of 96 which is outside the valid range of [0, 96)."),
+], ids=["gather", "a gather's gradient", "sparse cross-entropy"])
+def test_an_index_out_of_range_in_graph_mode_says_it_may_be_a_label(failing_op, summary):
+    """Each way TensorFlow's kernels without XLA refuse an index gets the same hint (and the
+    cross-entropy's list of every label of the batch is left out)."""
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        tf.function(failing_op)()
+    assert controller.op_error_summary(raised.value) == (
+        f"{summary} (an integer input, such as a label, outside its valid range)")
 
 
 def test_under_xla_labels_out_of_range_stop_the_run_with_a_hint(tmp_path):

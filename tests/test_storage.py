@@ -6,17 +6,16 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
+import cli_runs
 import numpy as np
 import pytest
 import tensorflow as tf
 import tiny_experiment
 
+from cli_runs import TINY_CONFIG
 from mixloop.errors import UserError
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
 DATA = ".data-00000-of-00001"
 
 
@@ -98,6 +97,12 @@ def test_an_index_naming_only_deleted_checkpoints_starts_afresh(workdir):
 
 # ----- A damaged newest checkpoint -----
 
+def sizes(prefix):
+    """The sizes of the index and data files of checkpoint `prefix` that are on disk."""
+    return {suffix: os.path.getsize(prefix + suffix) for suffix in (".index", DATA)
+            if os.path.exists(prefix + suffix)}
+
+
 def truncate_data(prefix):
     size = os.path.getsize(prefix + DATA)
     os.truncate(prefix + DATA, size // 2)
@@ -115,23 +120,28 @@ def empty_index(prefix):
     os.truncate(prefix + ".index", 0)
 
 
+def delete_index(prefix):
+    os.remove(prefix + ".index")
+
+
 @pytest.mark.parametrize("damage, problem", [
     (truncate_data, "Read less bytes than requested"),
     (flip_bytes, "does not match|Unable to parse"),  # A checksum, or the data position's header.
     (empty_index, "too short"),
+    (delete_index, "its index file ckpt-60.index is missing"),
 ])
 def test_a_damaged_newest_checkpoint_is_named_kept_and_the_previous_one_resumed(
         trained, workdir, caplog, damage, problem):
     newest = str(workdir / "checkpoints" / "ckpt-60")
     damage(newest)
-    damaged_sizes = [os.path.getsize(newest + suffix) for suffix in (".index", DATA)]
+    damaged_sizes = sizes(newest)
     leftover = workdir / "checkpoints" / "ckpt-60_temp"  # As a save killed mid-way leaves it.
     leftover.mkdir()
     (leftover / "part-00000-of-00001.data-00000-of-00001.tempstate1").write_bytes(b"\0" * 100)
 
     trainer = make_trainer(workdir, 60)
     # Kept on disk, and out of the index: the manager's rotation will not delete it.
-    assert [os.path.getsize(newest + suffix) for suffix in (".index", DATA)] == damaged_sizes
+    assert sizes(newest) == damaged_sizes
     assert trainer.checkpoints.checkpoints == [str(workdir / "checkpoints" / f"ckpt-{step}")
                                                for step in (20, 40)]
     trainer.train()
@@ -161,6 +171,34 @@ def test_no_readable_checkpoint_is_refused_in_one_line_touching_nothing(workdir)
         f"no checkpoint in {workdir}/checkpoints is readable (the newest, "
         f"{workdir}/checkpoints/ckpt-60: Read less bytes than requested); move them away")
     assert sorted(os.listdir(workdir / "checkpoints")) == before
+
+
+@pytest.mark.slow
+def test_every_index_file_deleted_is_refused_in_one_line_touching_nothing(workdir):
+    """Their data files still there: no restart at step 0 over them."""
+    for step in (20, 40, 60):
+        os.remove(workdir / "checkpoints" / f"ckpt-{step}.index")
+    before = cli_runs.snapshot(workdir)
+
+    result = run_cli(f"--workdir={workdir}")
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert cli_runs.error_lines(result) == [
+        f"error: no checkpoint in {workdir}/checkpoints is readable (the newest, "
+        f"{workdir}/checkpoints/ckpt-60: its index file ckpt-60.index is missing); move them away "
+        "to start again from step 0, or use a new --workdir"]
+    assert cli_runs.snapshot(workdir) == before
+
+
+def test_the_data_of_a_save_killed_before_its_index_is_no_loss(workdir):
+    """A save killed between moving its data into place and writing its index leaves the data of a
+    step newer than every checkpoint, which the `checkpoint` index does not list: resumed past."""
+    checkpoints = workdir / "checkpoints"
+    shutil.copy(checkpoints / f"ckpt-60{DATA}", checkpoints / f"ckpt-80{DATA}")
+
+    trainer = make_trainer(workdir, 80)
+
+    assert trainer.checkpoints.latest_checkpoint == str(checkpoints / "ckpt-60")
 
 
 # ----- A full disk -----
@@ -198,10 +236,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_last_good_checkpoint_stay
 # ----- Through the command line: one line, and no flood of TensorFlow warnings after it -----
 
 def run_cli(*args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "mixloop.train", f"--config={TINY_CONFIG}", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return cli_runs.run("mixloop.train", f"--config={TINY_CONFIG}", *args)
 
 
 @pytest.mark.slow

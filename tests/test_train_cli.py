@@ -1,45 +1,34 @@
 """`python -m mixloop.train` end to end, and its one-line refusals of bad input."""
 
+import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
+import hooks_experiment
 import pytest
 import slow_start_experiment
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
+from cli_runs import (TESTS_DIR, TINY_CONFIG, checkpoint_steps, command_line, error_lines,
+                      interrupted, run, snapshot, without_root_file_access)
+
+HOOKS_CONFIG = hooks_experiment.__file__
+FAULTY_CONFIG = os.path.join(TESTS_DIR, "faulty_experiment.py")
+# The line of hooks_experiment.py whose RuntimeError a failing action raises.
+ACTION_RAISES_AT = next(number for number, line in enumerate(open(HOOKS_CONFIG), 1)
+                        if "raise RuntimeError" in line)
+EMPTY_TRAIN = ("the train dataset is empty: build_datasets() returned one with no batches (batched "
+               "with drop_remainder=True, fewer than config.train.batch_size={} examples make none)")
+CONFIG_ADVICE = ("the experiment's ml_collections.ConfigDict (start from "
+                 "mixloop.config.base_config())")
 
 pytestmark = pytest.mark.slow
 
 
-def cli_command(*args, prefix=()):
-    """The command line and environment of `python -m mixloop.train args`, run via `prefix`."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    return [*prefix, sys.executable, "-m", "mixloop.train", *args], env
-
-
-def run_cli(*args, cwd=None, prefix=()):
-    command, env = cli_command(*args, prefix=prefix)
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
-
-
-def error_lines(result):
-    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
-
-
-def snapshot(directory):
-    """Every file under `directory` with its size and modification time."""
-    found = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            stat = os.stat(os.path.join(root, name))
-            found[os.path.join(root, name)] = (stat.st_size, stat.st_mtime_ns)
-    return found
+def run_cli(*args, **options):
+    return run("mixloop.train", *args, **options)
 
 
 def test_trains_end_to_end_with_default_workdir(tmp_path):
@@ -108,6 +97,105 @@ def test_bad_input_is_one_line_and_leaves_the_workdir(trained_workdir, args, mes
     assert snapshot(trained_workdir) == before
 
 
+@pytest.fixture(scope="module")
+def bad_configs(tmp_path_factory):
+    """Config files that make no config: no get_config, a get_config returning None, a folder."""
+    folder = tmp_path_factory.mktemp("configs")
+    (folder / "no_get_config.py").write_text(
+        "from mixloop.config import base_config\n\n\ndef make_config():\n    return base_config()\n")
+    (folder / "returns_none.py").write_text("def get_config(arg=None):\n    config = 1\n")
+    (folder / "a_folder").mkdir()
+    return folder
+
+
+@pytest.mark.parametrize("args, message", [
+    ([f"--config={TINY_CONFIG}", "--config.train.batch_size=1024"], EMPTY_TRAIN.format(1024)),
+    ([f"--config={TINY_CONFIG}", "--config.train.batch_size=1024",
+      "--config.train.repeat_dataset=False"], EMPTY_TRAIN.format(1024)),
+    ([f"--config={HOOKS_CONFIG}", "--config.model.objectives=frozen"],
+     "objective 'model' has no trainable variables: its layer 'dropout' holds none that train (it "
+     "has no weights, is frozen with trainable=False, or is not built yet); give it a built layer "
+     "whose weights train"),
+    ([f"--config={HOOKS_CONFIG}", "--config.model.objectives=shared"],
+     "objectives 'a' and 'b' both train logits/kernel: a variable belongs to one objective (two "
+     "would each apply their own optimizer's update to it every step); give them layers that share "
+     "no weights, or make one objective whose loss adds both"),
+    (["--config={configs}/no_get_config.py"],
+     f"config file '{{configs}}/no_get_config.py' defines no get_config(); define "
+     f"get_config(arg=None) returning {CONFIG_ADVICE}"),
+    (["--config={configs}/returns_none.py"],
+     f"get_config() in config file '{{configs}}/returns_none.py' returned None (a missing "
+     f"return?); return {CONFIG_ADVICE}"),
+    (["--config={configs}/a_folder", "--config.train.num_steps=3"],
+     "config file '{configs}/a_folder' is a folder; --config=PATH[:VARIANT] names a Python file "
+     "that defines get_config(arg=None), such as experiments/digits.py"),
+], ids=["empty train set", "empty train set not repeated", "objective without variables",
+        "one layer in two objectives", "no get_config", "get_config returns None",
+        "config a folder"])
+def test_a_mistake_in_the_experiment_is_one_line_before_anything_is_written(
+        tmp_path, bad_configs, args, message):
+    workdir = tmp_path / "run"
+    result = run_cli(*[arg.format(configs=bad_configs) for arg in args], f"--workdir={workdir}")
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert error_lines(result) == ["error: " + message.format(configs=bad_configs)], result.stderr
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize("args, message, kept", [
+    ([f"--config={HOOKS_CONFIG}", "--config.model.action=raise_every"],
+     "action sample (every 15 updates) failed at step 30: RuntimeError: no sample at step 30 (at "
+     f"{HOOKS_CONFIG}:{ACTION_RAISES_AT}); the last checkpoint ({{workdir}}/checkpoints/ckpt-20) is "
+     "kept", [20]),
+    ([f"--config={HOOKS_CONFIG}", "--config.model.action=raise_at_eval"],
+     "action sample (at eval) failed at step 40: RuntimeError: no sample at step 40 (at "
+     f"{HOOKS_CONFIG}:{ACTION_RAISES_AT}); the last checkpoint ({{workdir}}/checkpoints/ckpt-20) is "
+     "kept", [20]),
+    ([f"--config={FAULTY_CONFIG}", "--config.data.label_offset=1", "--config.jit_compile=False"],
+     "the train step failed near step 1: indices[3] = 3 is not in [0, 3) (an integer input, such "
+     "as a label, outside its valid range)", []),
+    ([f"--config={FAULTY_CONFIG}", "--config.data.eval_label_offset=1"],  # Eval: never XLA.
+     "the eval step failed at step 24: indices[3] = 3 is not in [0, 3) (an integer input, such as "
+     "a label, outside its valid range); the last checkpoint ({workdir}/checkpoints/ckpt-20) is "
+     "kept", [12, 16, 20]),
+    ([f"--config={FAULTY_CONFIG}", "--config.data.generator=True", "--config.train.batch_size=64",
+      "--config.data.num_examples=48", "--config.data.num_eval=48"],  # Repeated, of unknown length.
+     EMPTY_TRAIN.format(64), []),
+], ids=["an action raises", "an eval-time action raises", "labels out of range",
+        "eval labels out of range", "empty generator, repeated"])
+def test_a_failure_mid_run_is_one_line_and_keeps_the_last_checkpoint(tmp_path, args, message, kept):
+    workdir = tmp_path / "run"
+    result = run_cli(*args, f"--workdir={workdir}")
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert error_lines(result) == ["error: " + message.format(workdir=workdir)], result.stderr
+    assert checkpoint_steps(workdir) == kept
+    assert not (workdir / "model.keras").exists() and not (workdir / ".lock").exists()
+
+
+def test_one_action_alone_and_a_plain_dict_config_are_taken(tmp_path):
+    result = run_cli(f"--config={HOOKS_CONFIG}:dict", "--config.model.action=single",
+                     "--config.train.num_steps=20", f"--workdir={tmp_path}")
+
+    assert result.returncode == 0, result.stderr
+    assert "The single action ran at step 20" in result.stderr
+    assert checkpoint_steps(tmp_path) == [20] and (tmp_path / "model.keras").exists()
+
+
+def test_a_stop_waits_for_a_running_action_and_says_so(tmp_path):
+    returncode, stderr = interrupted(
+        "mixloop.train", f"--config={HOOKS_CONFIG}", "--config.model.action=slow",
+        "--config.model.action_seconds=2", f"--workdir={tmp_path}", signal_number=signal.SIGTERM,
+        after=hooks_experiment.ACTION_STARTED)
+
+    assert returncode == 0, stderr
+    assert ("SIGTERM received while action sleep (every 5 updates) runs at step 5: the checkpoint "
+            "and the stop wait until it returns (a grace period shorter than the action ends the run "
+            "without them)") in stderr
+    assert f"Stopped by SIGTERM at step 5; checkpoint saved in {tmp_path}/checkpoints" in stderr
+    assert checkpoint_steps(tmp_path) == [5]
+
+
 @pytest.fixture
 def trained_copy(trained_workdir, tmp_path):
     """A copy of the trained workdir, for a test to damage."""
@@ -125,36 +213,78 @@ def _garbled_config(run):
     return run
 
 
-@pytest.mark.parametrize("make_workdir, message", [
+def _array_config(run):
+    (run / "config.json").write_text("[1, 2]")
+    return run
+
+
+def _file_at(name):
+    """Puts a file where the workdir's folder `name` is (or would be)."""
+    def replace(run):
+        shutil.rmtree(run / name, ignore_errors=True)
+        (run / name).write_text("a file\n")
+        return run
+    return replace
+
+
+def _hand_edited_record(run):
+    """config.json as a run with precision.float32_layers=auto writes it, its record naming a layer
+    the model does not have."""
+    config = json.loads((run / "config.json").read_text())
+    config["precision"]["float32_layers"] = "auto"
+    config["resolved"] = {"precision.float32_layers": "dense_typo"}
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+def _model_keras_folder(run):
+    (run / "model.keras").unlink()
+    (run / "model.keras").mkdir()
+    return run
+
+
+def _misplaced(name, holds, wanted="a folder"):
+    kind = "a file" if wanted == "a folder" else "a folder"
+    return (f"{{run}}/{name} is {kind}, where mixloop keeps {holds} ({wanted}); move it away, or "
+            "choose another --workdir")
+
+
+@pytest.mark.parametrize("make_workdir, message, overrides", [
     (lambda run: run / "config.json", "the workdir {workdir} is a file, not a folder; choose another "
-                                      "--workdir"),
+                                      "--workdir", ()),
     (lambda run: run / "config.json" / "next", "the workdir {workdir} is under {run}/config.json, "
-                                               "which is a file, not a folder; choose another --workdir"),
+                                               "which is a file, not a folder; choose another --workdir",
+     ()),
     (_lock_folder, "{run}/.lock is a folder, where mixloop keeps the workdir's lock file; move it "
-                   "away, or choose another --workdir"),
+                   "away, or choose another --workdir", ()),
     (_garbled_config, "{run}/config.json is not valid JSON (Expecting property name enclosed in "
                       "double quotes: line 1 column 2 (char 1)); it records the config of the run in "
-                      "this workdir: repair or move it, or choose another --workdir"),
-], ids=["a regular file", "under a file", ".lock a folder", "config.json not JSON"])
-def test_an_unusable_workdir_is_one_line_and_loses_nothing(trained_copy, make_workdir, message):
+                      "this workdir: repair or move it, or choose another --workdir", ()),
+    (_array_config, "{run}/config.json holds an array, not a JSON object of config keys; "
+                             "it records the config of the run in this workdir: repair or move it, "
+                             "or choose another --workdir", ()),
+    (_file_at("train"), _misplaced("train", "the train TensorBoard summaries"), ()),
+    (_file_at("eval"), _misplaced("eval", "the eval TensorBoard summaries"), ()),
+    (_file_at("checkpoints"), _misplaced("checkpoints", "the run's checkpoints"), ()),
+    (_file_at("precision"), _misplaced("precision", "the precision probe's reports"), ()),
+    (_model_keras_folder, _misplaced("model.keras", "the exported model", wanted="a file"), ()),
+    (_hand_edited_record, "{run}/config.json: its resolved record precision.float32_layers="
+                          "'dense_typo' fully matches no layer path; paths look like: dense, "
+                          "dropout, logits (a regex over the whole path, e.g. '.*softmax.*'); "
+                          "repair the record or remove it",
+     ("--config.train.num_steps=10", "--config.precision.float32_layers=auto")),
+], ids=["a regular file", "under a file", ".lock a folder", "config.json not JSON",
+        "config.json an array", "train a file", "eval a file", "checkpoints a file",
+        "precision a file", "model.keras a folder", "a record naming no layer"])
+def test_an_unusable_workdir_is_one_line_and_loses_nothing(trained_copy, make_workdir, message,
+                                                           overrides):
     workdir = make_workdir(trained_copy)
     before = snapshot(trained_copy)
-    result = run_cli(f"--config={TINY_CONFIG}", f"--workdir={workdir}")
+    result = run_cli(f"--config={TINY_CONFIG}", f"--workdir={workdir}", *overrides)
 
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert error_lines(result) == ["error: " + message.format(workdir=workdir, run=trained_copy)]
     assert snapshot(trained_copy) == before
-
-
-def _without_root_file_access():
-    """A prefix that runs a command as root without its power to bypass file permissions (what a
-    chmod means to everyone else), or None when that cannot be had."""
-    if os.geteuid() != 0:
-        return ()
-    prefix = ("setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search", "--")
-    if shutil.which("setpriv") and subprocess.run([*prefix, "true"]).returncode == 0:
-        return prefix
-    return None
 
 
 def _chmod_folders(directory, mode):
@@ -162,11 +292,19 @@ def _chmod_folders(directory, mode):
         os.chmod(folder, mode)
 
 
-def test_a_read_only_workdir_is_one_line_and_loses_nothing(trained_copy):
-    prefix = _without_root_file_access()
+@pytest.mark.parametrize("folder, message", [
+    ("", "cannot write to the workdir {run}: Permission denied ({run}/.lock); choose a --workdir "
+         "you can write to"),
+    ("train", "cannot write to {run}/train, where mixloop keeps the train TensorBoard summaries: "
+              "Permission denied; make it writable, or choose another --workdir"),
+    ("checkpoints", "cannot write to {run}/checkpoints, where mixloop keeps the run's checkpoints: "
+                    "Permission denied; make it writable, or choose another --workdir"),
+], ids=["the workdir", "train", "checkpoints"])  # eval/ is checked as train/ is.
+def test_a_read_only_workdir_is_one_line_and_loses_nothing(trained_copy, folder, message):
+    prefix = without_root_file_access()
     if prefix is None:
         pytest.skip("runs as root and setpriv cannot drop the file-permission capabilities")
-    _chmod_folders(trained_copy, 0o555)
+    _chmod_folders(trained_copy / folder, 0o555)
     before = snapshot(trained_copy)
     try:
         result = run_cli(f"--config={TINY_CONFIG}", f"--workdir={trained_copy}",
@@ -175,8 +313,7 @@ def test_a_read_only_workdir_is_one_line_and_loses_nothing(trained_copy):
         _chmod_folders(trained_copy, 0o755)
 
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert error_lines(result) == [f"error: cannot write to the workdir {trained_copy}: Permission "
-                                   f"denied ({trained_copy}/.lock); choose a --workdir you can write to"]
+    assert error_lines(result) == ["error: " + message.format(run=trained_copy)]
     assert snapshot(trained_copy) == before
 
 
@@ -193,7 +330,7 @@ def test_an_interrupted_startup_is_one_line_and_writes_nothing(tmp_path, signal_
     before importing TensorFlow), SIGTERM while the experiment builds its model."""
     workdir = tmp_path / "run"
     config = TINY_CONFIG if signal_number == signal.SIGINT else slow_start_experiment.__file__
-    command, env = cli_command(f"--config={config}", f"--workdir={workdir}")
+    command, env = command_line("mixloop.train", f"--config={config}", f"--workdir={workdir}")
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
         if signal_number == signal.SIGINT:  # Python alone catches only SIGINT.

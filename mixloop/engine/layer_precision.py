@@ -109,8 +109,8 @@ def keep_float32_layers(model: keras.Model, policy: Policy, pattern: str = "") -
     """
     layers = named_layers(model)
     matcher = re.compile(pattern) if pattern else None
-    if matcher is not None and not any(matcher.fullmatch(path) for path in layers):
-        raise ConfigError(_no_match_message(pattern, list(layers)))
+    if pattern:
+        matching_paths(pattern, list(layers))
     if not policy.is_mixed or policy.param_dtype.name != "float32":
         return []
     return _switch_to_float32(model, policy, layers,
@@ -226,9 +226,24 @@ def _stop_handing_back(layer: keras.layers.Layer) -> None:
         object.__delattr__(layer, "call")
 
 
-def _no_match_message(pattern: str, paths: list[str], max_paths: int = 5) -> str:
+def matching_paths(pattern: str, paths: Sequence[str],
+                   setting: str = "config.precision.float32_layers") -> list[str]:
+    """The layer `paths` the regex `pattern` fully matches.
+
+    Raises:
+      ConfigError: when it matches none, naming it as `setting` (where it was set) and some real
+        paths.
+    """
+    matcher = re.compile(pattern)
+    matched = [path for path in paths if matcher.fullmatch(path)]
+    if not matched:
+        raise ConfigError(_no_match_message(setting, pattern, list(paths)))
+    return matched
+
+
+def _no_match_message(setting: str, pattern: str, paths: list[str], max_paths: int = 5) -> str:
     """The one-line error for a `float32_layers` regex that names no layer, with real paths."""
     close = difflib.get_close_matches(pattern, paths, n=max_paths, cutoff=0.3)
     examples = close + [path for path in paths if path not in close][: max_paths - len(close)]
-    return (f"config.precision.float32_layers={pattern!r} fully matches no layer path; paths look "
-            f"like: {', '.join(examples)} (a regex over the whole path, e.g. '.*softmax.*')")
+    return (f"{setting}={pattern!r} fully matches no layer path; paths look like: "
+            f"{', '.join(examples)} (a regex over the whole path, e.g. '.*softmax.*')")

@@ -53,11 +53,12 @@ def check_objectives(objectives: Mapping[str, Objective]) -> None:
 
     Raises:
       UserError: for no objective, a name that is not an identifier (names become TensorBoard tags
-        and variable names), something that is not an `Objective`, or one optimizer in two.
+        and variable names), something that is not an `Objective`, one optimizer in two, an
+        objective with no trainable variable, or a variable two objectives train.
     """
     if not objectives:
         raise UserError("build_objectives() returned no objective; return at least one")
-    optimizers = {}
+    optimizers, trainers = {}, {}
     for name, objective in objectives.items():
         if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z_]\w*", name)):
             raise UserError(f"objective name {name!r} is not allowed: use letters, digits and '_' "
@@ -69,6 +70,19 @@ def check_objectives(objectives: Mapping[str, Objective]) -> None:
         if shared != name:
             raise UserError(f"objectives {shared!r} and {name!r} share one optimizer instance; give "
                             f"each its own (an optimizer keeps per-variable state)")
+        if not objective.variables:
+            raise UserError(f"objective {name!r} has no trainable variables: its layer "
+                            f"{objective.layer.name!r} holds none that train (it has no weights, is "
+                            f"frozen with trainable=False, or is not built yet); give it a built "
+                            f"layer whose weights train")
+        for variable in objective.variables:
+            other = trainers.setdefault(id(variable), name)
+            if other != name:
+                raise UserError(
+                    f"objectives {other!r} and {name!r} both train {variable.path}: a variable "
+                    f"belongs to one objective (two would each apply their own optimizer's update "
+                    f"to it every step); give them layers that share no weights, or make one "
+                    f"objective whose loss adds both")
 
 
 def with_loss_scales(objectives: dict[str, Objective],

@@ -117,10 +117,6 @@ class TrainStep:
             objectives = {SINGLE: Objective(model, optimizer, loss_scale)}
         check_objectives(objectives)
         self.objectives = with_loss_scales(dict(objectives), NoLossScale)
-        for name, objective in self.objectives.items():
-            if not objective.variables:
-                raise ValueError(f"objective {name!r} has no trainable variables yet: build the "
-                                 f"model before the step")
         self.model = model
         self.loss_fn = loss_fn
         self.policy = policy

@@ -9,7 +9,7 @@ TensorBoard writer as the default `tf.summary` writer, so `tf.summary.text(...)`
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 from mixloop.errors import UserError
 
@@ -39,3 +39,22 @@ class Action:
     def is_due(self, step: int) -> bool:
         """Whether it runs after update `step` (its every-N part)."""
         return self.every_steps > 0 and step % self.every_steps == 0
+
+    def describe(self) -> str:
+        """Its function's name and when it runs, e.g. "sample (every 100 updates, at eval)"."""
+        when = ([f"every {self.every_steps} updates"] if self.every_steps else []) + (
+            ["at eval"] if self.at_eval else [])
+        return f"{getattr(self.fn, '__name__', repr(self.fn))} ({', '.join(when)})"
+
+
+def checked_actions(actions: Any) -> list[Action]:
+    """What `Trainer.actions()` returned, as a list: a list or tuple of `Action`s, or one `Action`.
+
+    Raises:
+      UserError: for anything else, naming what it is.
+    """
+    if isinstance(actions, Action):
+        return [actions]
+    if isinstance(actions, (list, tuple)) and all(isinstance(a, Action) for a in actions):
+        return list(actions)
+    raise UserError(f"actions() must return a list of mixloop.Action, got {actions!r:.200}")

@@ -173,10 +173,11 @@ def apply_recorded(trainer) -> str:
     heals chose for these weights), logging them; returns the recorded regex ('' for none).
 
     Raises:
-      UserError: for a record that is not a valid regex.
+      UserError: for a record that is not a valid regex or names no layer (the rule of
+        precision.float32_layers on the command line).
     """
     recorded = _recorded_regex(trainer.workdir)
-    paths = [layer.path for layer in _move(trainer, _matching_paths(trainer, recorded))]
+    paths = [layer.path for layer in _move(trainer, _recorded_paths(trainer, recorded))]
     if paths:
         logging.info("Automatic precision: %s compute in float32, as config.json records "
                      "(precision.float32_layers=%r)", ", ".join(paths), recorded)
@@ -266,11 +267,20 @@ def _recorded_regex(directory: str) -> str:
     return regex
 
 
-def _matching_paths(trainer, regex: str) -> list[str]:
+def _recorded_paths(trainer, regex: str) -> list[str]:
+    """The layer paths config.json's recorded `regex` matches.
+
+    Raises:
+      UserError: when it matches none (a hand-edited record), as the command line's regex would.
+    """
     if not regex:
         return []
-    matcher = re.compile(regex)
-    return [path for path in layer_precision.named_layers(trainer.model) if matcher.fullmatch(path)]
+    setting = f"{os.path.join(trainer.workdir, 'config.json')}: its resolved record {FLOAT32_KEY}"
+    try:
+        return layer_precision.matching_paths(
+            regex, list(layer_precision.named_layers(trainer.model)), setting)
+    except ConfigError as error:
+        raise UserError(f"{error}; repair the record or remove it") from None
 
 
 def _move(trainer, paths: Sequence[str]) -> list[layer_precision.Float32Layer]:

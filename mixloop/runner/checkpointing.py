@@ -7,7 +7,9 @@ stale index is rebuilt from the files, so the run neither restarts at step 0 nor
 checkpoints it never read, and the manager's rotation (`max_to_keep`) goes on over all of them. A
 newer checkpoint that does not read (truncated, flipped bytes) is named in a warning and left on
 disk, out of the index, so the rotation never deletes it; only a new save of the same step
-replaces it. One that reads but does not fit the model is refused in one line.
+replaces it. So is one whose `.index` file was deleted while its data files stayed: a run with no
+readable checkpoint left is refused in one line rather than restarted at step 0 over their data. One
+that reads but does not fit the model is refused in one line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from absl import logging
 from mixloop.errors import UserError
 
 _CHECKPOINT_INDEX = re.compile(r"ckpt-(\d+)\.index")
+_CHECKPOINT_DATA = re.compile(r"ckpt-(\d+)\.data-\d+-of-\d+")
 _INTERRUPTED_SAVE = re.compile(r"ckpt-\d+_temp")
 # What TensorFlow logs when the status of a refused restore is garbage-collected (at exit): a line
 # per value of the checkpoint, about a hundred after the one-line error.
@@ -88,8 +91,10 @@ def _newest_readable(directory: str) -> tuple[Optional[str], list[str]]:
       UserError: when there are checkpoints but none of them reads.
     """
     unreadable = []
-    for path in reversed(_checkpoints_on_disk(directory)):
-        problem = _read_problem(path)
+    lost = _lost_indexes(directory)
+    for path in sorted(_checkpoints_on_disk(directory) + lost, key=_step, reverse=True):
+        problem = (f"its index file {os.path.basename(path)}.index is missing" if path in lost
+                   else _read_problem(path))
         if problem:
             unreadable.append((path, problem))
             continue
@@ -180,6 +185,30 @@ def _checkpoints_on_disk(directory: str) -> list[str]:
     names = os.listdir(directory) if os.path.isdir(directory) else []
     steps = sorted(int(match[1]) for match in map(_CHECKPOINT_INDEX.fullmatch, names) if match)
     return [_prefix(directory, step) for step in steps]
+
+
+def _lost_indexes(directory: str) -> list[str]:
+    """Prefixes of the checkpoints in `directory` whose data files are on disk without their
+    `.index` file (deleted by hand), oldest first.
+
+    A save killed between moving its data into place and writing its index leaves the same: the
+    newest step, newer than every indexed checkpoint and not yet listed in the `checkpoint` index
+    (written after a save completes). That one is no loss and not counted.
+    """
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    indexed = {int(match[1]) for match in map(_CHECKPOINT_INDEX.fullmatch, names) if match}
+    data_only = sorted({int(match[1]) for match in map(_CHECKPOINT_DATA.fullmatch, names) if match}
+                       - indexed)
+    state = _read_index(directory)
+    listed = {os.path.basename(path) for path in state.all_model_checkpoint_paths} if state else set()
+    if data_only and data_only[-1] > max(indexed, default=-1) and \
+            f"ckpt-{data_only[-1]}" not in listed:
+        data_only.pop()  # A killed save's.
+    return [_prefix(directory, step) for step in data_only]
+
+
+def _step(prefix: str) -> int:
+    return int(prefix.rpartition("-")[2])
 
 
 def _read_problem(path: str) -> str:

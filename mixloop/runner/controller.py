@@ -18,11 +18,19 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mixloop import interrupts
+from mixloop import errors, interrupts
 from mixloop.errors import UserError
 from mixloop.runner import checkpointing, guard, reporting, train_data, workdir
+from mixloop.runner.actions import Action, checked_actions
 
 EMPTY_EVAL_DATA = "the eval dataset is empty: build_datasets() returned one with no batches"
+
+
+def empty_train_data(batch_size: int) -> str:
+    """The one line for a train set with no batch."""
+    return (f"the train dataset is empty: build_datasets() returned one with no batches (batched "
+            f"with drop_remainder=True, fewer than config.train.batch_size={batch_size} examples "
+            "make none)")
 
 
 class Runnable(Protocol):
@@ -71,7 +79,8 @@ class Runnable(Protocol):
         """Where the checkpoints every process resumes from are."""
 
     def num_train_batches(self) -> Optional[int]:
-        """Batches in one pass over the train data, or None when it repeats."""
+        """Batches in one pass over the train data, or None when it repeats; raises `UserError`
+        for a train set known to be empty."""
 
     def nonfinite_variable_paths(self, objective: str) -> list[str]:
         """The variables behind an objective's latest streak of skipped updates."""
@@ -90,10 +99,12 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _StopRequest:
-    """Turns SIGINT and SIGTERM into a request to stop at the next loop boundary."""
+    """Turns SIGINT and SIGTERM into a request to stop at the next loop boundary; one that comes
+    while an action runs is logged, as the checkpoint waits for the action to return."""
 
     def __init__(self):
         self.signal_number = None
+        self.running: Optional[tuple[Action, int]] = None  # The action running now, and its step.
         self._previous = {}
 
     def __enter__(self) -> "_StopRequest":
@@ -110,6 +121,12 @@ class _StopRequest:
 
     def _request(self, signal_number, frame) -> None:
         self.signal_number = signal_number
+        if self.running is not None:
+            action, step = self.running
+            logging.warning("%s received while action %s runs at step %d: the checkpoint and the "
+                            "stop wait until it returns (a grace period shorter than the action "
+                            "ends the run without them)", signal.Signals(signal_number).name,
+                            action.describe(), step)
 
 
 def _loop_length(trainer: Runnable, actions: list, step: int, last_step: int) -> int:
@@ -135,15 +152,18 @@ def train(trainer: Runnable) -> dict[str, float]:
     trainer.restore()
     if trainer.eval_data is not None and next(iter(trainer.eval_data.take(1)), None) is None:
         raise UserError(EMPTY_EVAL_DATA)
-    actions = trainer.actions()  # Before the lock: a bad Action is refused with nothing written.
+    num_batches = trainer.num_train_batches()  # None when it repeats.
+    # Before the lock: a bad Action is refused with nothing written.
+    actions = checked_actions(trainer.actions())
     lock_directory = trainer.workdir if trainer.is_chief else trainer.checkpoints.directory
     with workdir.WorkdirLock(lock_directory), _StopRequest() as stop:
         if trainer.is_chief:
+            workdir.check_writable(trainer.workdir)
             workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
         trainer.start_precision()  # From the restored weights, before the first trace.
         # After the placement, which changes what is compiled.
         probed = trainer.choose_compile_mode()
-        metrics, reason = _run_loops(trainer, actions, stop, compiled=probed)
+        metrics, reason = _run_loops(trainer, actions, stop, num_batches, compiled=probed)
         step = int(trainer.global_step.numpy())
         _save(trainer, step)
         if stop.signal_number is not None and step < trainer.config.train.num_steps:
@@ -163,18 +183,19 @@ def train(trainer: Runnable) -> dict[str, float]:
     return metrics
 
 
-def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest,
+def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest, num_batches: Optional[int],
                compiled: bool) -> tuple[dict[str, float], int]:
-    """Inner loops until num_steps, a stop request or the end of the data; returns the last metrics
-    and why it ended (`guard.CONTINUE` or `guard.END_OF_DATA`). Unless the loop is `compiled`
-    already, the first loop runs one update and its time is logged apart.
+    """Inner loops until num_steps, a stop request or the end of the `num_batches` of the data (None:
+    it repeats); returns the last metrics and why it ended (`guard.CONTINUE` or
+    `guard.END_OF_DATA`). Unless the loop is `compiled` already, the first loop runs one update and
+    its time is logged apart.
 
     Raises:
       guard.TrainingDiverged: when the run diverges with no recovery left.
+      UserError: when repeated train data ends: it has no batch (tf.data could not count them).
     """
     config = trainer.config
     num_steps = config.train.num_steps
-    num_batches = trainer.num_train_batches()
     last_step = num_steps if num_batches is None else min(num_steps, num_batches)
     writer = reporting.MetricWriter(trainer.workdir, enabled=trainer.is_chief)
     step = int(trainer.global_step.numpy())
@@ -190,11 +211,12 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest,
         started = time.perf_counter()
         try:
             totals = trainer.train_loop(loop_length)
-        except tf.errors.OutOfRangeError:  # Only after a recovery, whose data moved on further.
+        except tf.errors.OutOfRangeError:  # Only after a recovery, whose data moved on further...
+            if config.train.repeat_dataset:  # ...or when there is nothing to repeat.
+                raise UserError(empty_train_data(config.train.batch_size)) from None
             return metrics, guard.END_OF_DATA
         except tf.errors.OpError as error:
-            if not (train_data.failed_reading(error) or isinstance(
-                    error, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError))):
+            if not _is_input_error(error):
                 raise
             raise UserError(_loop_failure(trainer, error, step)) from None
         if compiled:
@@ -221,7 +243,7 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest,
         if _is_due(trainer, step, config.train.log_every_steps) or step == last_step:
             metrics.update(_report_train(trainer, writer, step, interval))
             interval = reporting.Interval(step, trainer.state.skipped_totals())
-        _run_actions(writer, "train", step, [a for a in actions if a.is_due(step)])
+        _run_actions(trainer, writer, "train", step, [a for a in actions if a.is_due(step)], stop)
         if stop.signal_number is not None:  # Save at once: a scheduler's grace period is short.
             break
         if _is_due(trainer, step, config.eval.every_steps):
@@ -230,7 +252,7 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest,
             at_eval = [action for action in actions if action.at_eval]
             if at_eval:
                 with trainer.ema_weights():  # Eval-time actions see the weights eval saw.
-                    _run_actions(writer, "eval", step, at_eval)
+                    _run_actions(trainer, writer, "eval", step, at_eval, stop)
         if _is_due(trainer, step, config.checkpoint.every_steps):
             _save(trainer, step)
     return metrics, guard.CONTINUE
@@ -241,14 +263,40 @@ def _log_compiled(trainer: Runnable, seconds: float) -> None:
                  "steps/s and the ETA)", seconds, " and XLA" if trainer.jit_compile else "")
 
 
-def _run_actions(writer: reporting.MetricWriter, split: str, step: int, due: list) -> None:
-    """Runs the `due` actions with the `split` TensorBoard writer as the default summary writer."""
+def _run_actions(trainer: Runnable, writer: reporting.MetricWriter, split: str, step: int,
+                 due: list[Action], stop: _StopRequest) -> None:
+    """Runs the `due` actions with the `split` TensorBoard writer as the default summary writer,
+    telling `stop` which one runs.
+
+    Raises:
+      UserError: when an action raises, naming it, the step and the checkpoint kept.
+    """
     if not due:
         return
     with writer.as_default(split):
         for action in due:
-            action.fn(step)
+            stop.running = (action, step)
+            try:
+                action.fn(step)
+            except Exception as error:  # Research code: whatever it raises is its own bug.
+                raise UserError(f"action {action.describe()} failed at step {step}: "
+                                f"{errors.described(error)}; {_kept_checkpoint(trainer)}") from None
+            finally:
+                stop.running = None
     writer.flush(split)
+
+
+def _kept_checkpoint(trainer: Runnable) -> str:
+    """What a run that stops on an error keeps: its last checkpoint, named."""
+    last = tf.train.latest_checkpoint(trainer.resume_directory())
+    return f"the last checkpoint ({last}) is kept" if last else "no checkpoint was saved yet"
+
+
+def _is_input_error(error: tf.errors.OpError) -> bool:
+    """Whether an op error of the train or eval step comes from its input (reading the data, a
+    value or shape an op refuses, an op the compile mode lacks) rather than from mixloop."""
+    return train_data.failed_reading(error) or isinstance(
+        error, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError))
 
 
 def _loop_failure(trainer: Runnable, error: tf.errors.OpError, start_step: int) -> str:
@@ -258,10 +306,8 @@ def _loop_failure(trainer: Runnable, error: tf.errors.OpError, start_step: int) 
     # does not wait for that update's data or step); the loop's first step is a floor.
     near = max(start_step + 1, int(trainer.global_step.numpy()))
     if train_data.failed_reading(error):
-        last = tf.train.latest_checkpoint(trainer.resume_directory())
-        kept = f"the last checkpoint ({last}) is kept" if last else "no checkpoint was saved yet"
         return (f"the train data pipeline failed near step {near}: {op_error_summary(error)}; "
-                f"{kept}")
+                f"{_kept_checkpoint(trainer)}")
     hint = (" (the step is compiled with XLA; --config.jit_compile=False runs it without)"
             if trainer.jit_compile and isinstance(error, tf.errors.UnimplementedError) else "")
     return f"the train step failed near step {near}: {op_error_summary(error)}{hint}"
@@ -282,9 +328,16 @@ def op_error_summary(error: tf.errors.OpError) -> str:
     summary = (useful[-1] if useful else lines[0]).split("\t")[0].strip()
     summary = re.sub(r"^Error in user-defined function passed to .*? with iterator: \S+: ", "",
                      summary)
-    if " is not in [" in summary:
+    summary = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", summary)  # A function called eagerly.
+    summary = re.sub(r"\s+Label values:.*", "", summary)  # Every label of the batch.
+    if re.search(_INDEX_OUT_OF_RANGE, summary):
         summary += " (an integer input, such as a label, outside its valid range)"
     return summary
+
+
+# How TensorFlow's kernels without XLA say an index is out of range: gather (an embedding, a
+# label's row), the segment sums of a gather's gradient, the sparse cross-entropy.
+_INDEX_OUT_OF_RANGE = r" is not in \[| is out of range \[|outside the valid range of \["
 
 
 def _divergence(trainer: Runnable, totals: dict) -> str:
@@ -365,7 +418,14 @@ def _report_train(trainer: Runnable, writer: reporting.MetricWriter, step: int,
 
 
 def _report_eval(trainer: Runnable, writer: reporting.MetricWriter, step: int) -> dict:
-    metrics = trainer.evaluate()
+    """Evaluates and reports; an op error of its input is one line (`UserError`)."""
+    try:
+        metrics = trainer.evaluate()
+    except tf.errors.OpError as error:
+        if not _is_input_error(error):
+            raise
+        raise UserError(f"the eval step failed at step {step}: {op_error_summary(error)}; "
+                        f"{_kept_checkpoint(trainer)}") from None
     writer.write("eval", step, metrics)
     reporting.log_eval(step, metrics)
     return {f"eval_{name}": value for name, value in metrics.items()}

@@ -28,6 +28,7 @@ from mixloop.runner import (auto_precision, checkpointing, compile_mode, control
                             exporting, guard, optimizers, precision_setup, reporting, train_data)
 from mixloop.runner.actions import Action
 from mixloop.runner.state import RunState
+from mixloop.runner.workdir import check_layout
 
 
 class Trainer:
@@ -101,6 +102,7 @@ class Trainer:
             extra_state=self.research_state,
             **({"train_iterator": self._train_iterator} if self.iterator_in_checkpoint else {}),
         )
+        check_layout(self.workdir)  # Before the checkpoint manager makes its folder.
         self.checkpoints = checkpointing.make_manager(
             self._checkpoint_workdir(), config.checkpoint.max_to_keep, **self.checkpointed
         )
@@ -304,8 +306,8 @@ class Trainer:
 
         Raises:
           UserError: for a checkpoint that does not fit or none that reads, a workdir in use or
-            unusable, an empty eval set, a failing train step or data pipeline, or a full disk
-            during a save; `guard.TrainingDiverged` when the run diverges.
+            unusable, an empty train or eval set, a failing train or eval step, data pipeline or
+            action, or a full disk during a save; `guard.TrainingDiverged` when the run diverges.
         """
         return controller.train(self)
 
@@ -345,6 +347,9 @@ class Trainer:
         Logs the code that loads it (`exporting.loading_code`: plain `keras.models.load_model` for a
         model of Keras and keras-hub classes, after importing the modules of any others), and warns
         about a class no loader could rebuild.
+
+        Raises:
+          UserError: when `model.keras` cannot be replaced (a folder); nothing half-written stays.
         """
         with layer_precision.building_under(precision_setup.Policy.from_string("float32")):
             export_model = self.build_model()
@@ -360,7 +365,13 @@ class Trainer:
             logging.warning("Could not export the model (the checkpoints hold the trained weights): "
                             "%s: %s", type(error).__name__, _first_line(error))
             return None
-        os.replace(partial, path)
+        try:
+            os.replace(partial, path)
+        except OSError as error:  # A folder model.keras made during the run (checked at the start).
+            os.remove(partial)
+            raise UserError(f"could not export the model to {path}: {error.strerror}; move it away "
+                            "and run the same command to export the trained weights (the "
+                            "checkpoints hold them)") from None
         classes = exporting.custom_classes(path)
         logging.info("Exported the float32 model to %s; load it with: %s", path,
                      exporting.loading_code(path, classes))
@@ -395,24 +406,31 @@ class Trainer:
     def num_train_batches(self) -> Optional[int]:
         """Batches in one pass over the train data, or None when it repeats (by config, or as built).
 
-        Counted once by reading the data when tf.data does not know its length.
+        Counted once by reading the data when tf.data does not know its length and it does not
+        repeat (a repeated one of unknown length is found empty at its first update).
 
         Raises:
-          UserError: when reading the data fails (a generator that raises, a missing file).
+          UserError: when the data has no batch, or reading it fails (a generator that raises, a
+            missing file).
         """
         cardinality = int(self._train_data.cardinality())
+        if cardinality == 0:
+            raise UserError(controller.empty_train_data(self.config.train.batch_size))
         if self.config.train.repeat_dataset or cardinality == tf.data.INFINITE_CARDINALITY:
             return None
-        if cardinality >= 0:
+        if cardinality > 0:
             return cardinality
         with reporting.announced("Counting the train batches (tf.data does not know how many the "
                                  "train dataset holds, so it is read once)"):
             try:
-                return int(self._train_data.reduce(0, lambda count, _: count + 1))
+                count = int(self._train_data.reduce(0, lambda count, _: count + 1))
             except tf.errors.OpError as error:
                 raise UserError(f"the train data pipeline failed while its batches were counted "
                                 f"(one pass, as its length is unknown and config.train.repeat_dataset "
                                 f"is False): {controller.op_error_summary(error)}") from None
+        if not count:
+            raise UserError(controller.empty_train_data(self.config.train.batch_size))
+        return count
 
     def _checkpoint_workdir(self) -> str:
         """Where this process saves: the workdir on the chief, a worker's own folder elsewhere.

@@ -1,5 +1,6 @@
 """Workdir safety: one run per workdir (a lock file with the owner's pid), the config history, and
-one-line refusals of a workdir that cannot be one (a file, unwritable, a folder where a file belongs)."""
+one-line refusals of a workdir that cannot be one (a file, unwritable, a folder where a file belongs,
+a file where a folder belongs)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import errno
 import json
 import os
 import socket
+import tempfile
 from typing import Any
 
 import ml_collections
@@ -15,6 +17,50 @@ from absl import logging
 from mixloop.errors import UserError
 
 LOCK_NAME = ".lock"
+
+
+# What a run writes in its workdir besides the lock and config.json: name -> (a folder?, what it holds).
+LAYOUT = {
+    "checkpoints": (True, "the run's checkpoints"),
+    "train": (True, "the train TensorBoard summaries"),
+    "eval": (True, "the eval TensorBoard summaries"),
+    "precision": (True, "the precision probe's reports"),
+    "model.keras": (False, "the exported model"),
+}
+
+
+def check_layout(directory: str) -> None:
+    """Refuses a workdir where a file stands in the place of a folder of `LAYOUT`, or a folder in
+    the place of a file, before anything is written there (reads only: the doctor calls it too).
+
+    Raises:
+      UserError: naming the path, what belongs there and the way out.
+    """
+    for name, (is_folder, holds) in LAYOUT.items():
+        path = os.path.join(directory, name)
+        if os.path.exists(path) and os.path.isdir(path) != is_folder:
+            kind, wanted = ("a file", "a folder") if is_folder else ("a folder", "a file")
+            raise UserError(f"{path} is {kind}, where mixloop keeps {holds} ({wanted}); move it "
+                            "away, or choose another --workdir")
+
+
+def check_writable(directory: str) -> None:
+    """Refuses a workdir whose folders of `LAYOUT` are there but cannot be written (a run's train
+    and eval summaries, its checkpoints), before anything is written: a temporary file is made in
+    each and removed.
+
+    Raises:
+      UserError: naming the folder and the reason.
+    """
+    for name, (is_folder, holds) in LAYOUT.items():
+        path = os.path.join(directory, name)
+        if not (is_folder and os.path.isdir(path)):
+            continue
+        try:
+            tempfile.TemporaryFile(dir=path).close()
+        except OSError as error:
+            raise UserError(f"cannot write to {path}, where mixloop keeps {holds}: "
+                            f"{error.strerror}; make it writable, or choose another --workdir") from None
 
 
 def _process_alive(pid: int) -> bool:
@@ -86,9 +132,7 @@ class WorkdirLock:
 def _unusable_workdir(directory: str, error: OSError) -> UserError:
     """The one line for `directory` failing as a workdir with `error`: a file, under a file, or not
     writable (permissions, a read-only file system)."""
-    existing = os.path.normpath(directory)
-    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)  # The nearest part of the path that exists.
+    existing = nearest_existing(directory)
     if os.path.lexists(existing) and not os.path.isdir(existing):
         where = "is" if existing == os.path.normpath(directory) else f"is under {existing}, which is"
         return UserError(f"the workdir {directory} {where} a file, not a folder; "
@@ -99,6 +143,14 @@ def _unusable_workdir(directory: str, error: OSError) -> UserError:
                          "free some space or choose another --workdir")
     return UserError(f"cannot write to the workdir {directory}: {error.strerror}{where}; "
                      "choose a --workdir you can write to")
+
+
+def nearest_existing(path: str) -> str:
+    """`path` if it exists, else the nearest of its parents that does (`path` normalized)."""
+    existing = os.path.normpath(path)
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    return existing
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -170,18 +222,24 @@ def _write_json(path: str, value: Any) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _read_config(path: str) -> Any:
+def _read_config(path: str) -> dict[str, Any]:
     """The earlier run's config in `path`.
 
     Raises:
-      UserError: when it is a folder or not JSON; the run refuses rather than replace the record.
+      UserError: when it is a folder, not JSON or JSON other than an object; the run refuses rather
+        than replace the record.
     """
     advice = ("it records the config of the run in this workdir: repair or move it, or choose "
               "another --workdir")
     try:
         with open(path) as f:
-            return json.load(f)
+            config = json.load(f)
     except IsADirectoryError:
         raise UserError(f"{path} is a folder, not a config file; {advice}") from None
     except ValueError as error:  # json.JSONDecodeError, UnicodeDecodeError.
         raise UserError(f"{path} is not valid JSON ({error}); {advice}") from None
+    if not isinstance(config, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+            type(config), "a number")
+        raise UserError(f"{path} holds {kind}, not a JSON object of config keys; {advice}")
+    return config

@@ -30,8 +30,9 @@ interleaved (A B C ... A B C ...), so a busy neighbour slows every variant alike
 timed with `perf_counter` until its last result is read back to the host. The table prints each
 variant's median examples/s and the median over repeats of its ratio to keras-fit and to the bare
 loop of its compile mode; then the headline: each 16-bit policy against float32, each in its faster
-compile mode, the mode `auto` picked, and the other ratios. `--output` writes the same as JSON. The
-benchmark needs one replica.
+compile mode, the mode `auto` picked, and the other ratios. `--output` writes the same as JSON to a
+new file, checked before the work (`cli.check_output`); Ctrl-C or SIGTERM is one line
+(`mixloop.interrupts`). The benchmark needs one replica.
 """
 
 from __future__ import annotations
@@ -508,7 +509,8 @@ def _shown(ratio: Optional[float]) -> str:
 
 
 def write_json(report: dict[str, Any], path: str) -> None:
-    """Writes `report` to `path` as JSON."""
+    """Writes `report` to `path` as JSON, making its folder if need be."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=2, allow_nan=False)
         f.write("\n")
@@ -567,6 +569,8 @@ def main() -> None:
     # fit's `shuffle` defaults to True, which a tf.data.Dataset ignores, with a warning.
     warnings.filterwarnings("ignore", message="`shuffle=True` was passed")
     repeats = options.repeats or (QUICK_REPEATS if options.quick else REPEATS)
+    if options.output:
+        cli.check_output(options.output, folder=False)  # Before the work, not after it.
     report = benchmark(config, repeats=repeats, quick=options.quick)
     print(format_table(report))
     if options.output:

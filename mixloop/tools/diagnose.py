@@ -6,8 +6,9 @@ there is one (and writes nothing there), diagnoses each of its objectives (or on
 the same next N train batches with `mixloop.runner.precision_report`, and prints one report per objective.
 With --output it also writes, into that directory (with several objectives, into its subdirectory
 named for the objective), `report.json`, TensorBoard histograms of the gradients' log2 magnitudes,
-and `gradient_histogram.png` (when matplotlib is installed: `pip install -e '.[plot]'`). Any problem
-with the input is one line on stderr and exit status 2.
+and `gradient_histogram.png` (when matplotlib is installed: `pip install -e '.[plot]'`), after
+checking before the work that it can (`cli.check_output`). Any problem with the input is one line on
+stderr and exit status 2; Ctrl-C or SIGTERM is one line too (`mixloop.interrupts`).
 """
 
 from __future__ import annotations
@@ -300,6 +301,8 @@ def output_directory(report: PrecisionReport, output: str) -> str:
 
 def main() -> None:
     config, workdir = cli.experiment_from_flags()
+    if _OUTPUT.value:
+        cli.check_output(_OUTPUT.value, folder=True)  # Before the work, not after it.
     reports = diagnose_experiment(config, workdir, _STEPS.value, _LOSS_SCALE.value, _OBJECTIVE.value)
     print("\n\n".join(format_report(report) for report in reports))
     if _OUTPUT.value:

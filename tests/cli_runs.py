@@ -1,0 +1,73 @@
+"""Running mixloop's commands as a user does, for the end-to-end tests: the command line and its
+environment, the `error:` lines it printed, what a workdir holds, and a signal sent mid-way."""
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
+
+
+def command_line(command, *args, prefix=()):
+    """The command line and environment of `python -m <command> args`, run via `prefix`, with the
+    tests' experiments importable."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    return [*prefix, sys.executable, "-m", command, *args], env
+
+
+def run(command, *args, cwd=None, prefix=()):
+    """Runs `python -m <command> args` to its end; its exit code, stdout and stderr."""
+    line, env = command_line(command, *args, prefix=prefix)
+    return subprocess.run(line, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def error_lines(result):
+    """The `error:` lines a run printed on stderr."""
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def snapshot(directory):
+    """Every file under `directory` with its size and modification time."""
+    found = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            stat = os.stat(os.path.join(root, name))
+            found[os.path.join(root, name)] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def checkpoint_steps(workdir):
+    """The steps of the checkpoints in `workdir` with an index file, in order."""
+    return sorted(int(path.rsplit("-", 1)[1].split(".")[0])
+                  for path in glob.glob(os.path.join(workdir, "checkpoints", "ckpt-*.index")))
+
+
+def interrupted(command, *args, signal_number=signal.SIGINT, after=""):
+    """Runs `python -m <command> args`, sends it `signal_number` once a line of its stderr contains
+    `after`, and returns its exit code and the stderr that followed."""
+    line, env = command_line(command, *args)
+    process = subprocess.Popen(line, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        while (output := process.stderr.readline()) and after not in output:
+            pass
+        process.send_signal(signal_number)
+        stderr = process.communicate(timeout=120)[1]
+        return process.returncode, stderr
+    finally:
+        process.kill()
+
+
+def without_root_file_access():
+    """A prefix that runs a command as root without its power to bypass file permissions (what a
+    chmod means to everyone else), or None when that cannot be had."""
+    if os.geteuid() != 0:
+        return ()
+    prefix = ("setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search", "--")
+    if shutil.which("setpriv") and subprocess.run([*prefix, "true"]).returncode == 0:
+        return prefix
+    return None
