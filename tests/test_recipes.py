@@ -13,6 +13,7 @@ import re
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import mixloop
@@ -22,8 +23,8 @@ from test_research import events
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 SECTION = "## Research recipes"
-RECIPES = ("train-metric", "objectives", "ema", "ema-weights", "actions", "extra-state", "schedule",
-           "frozen")
+RECIPES = ("train-metric", "objectives", "cadence", "ema", "ema-weights", "actions", "extra-state",
+           "schedule", "frozen")
 _RECIPE = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```(?P<language>\w+)\n(?P<code>.*?)^```",
                      re.S | re.M)
 
@@ -167,6 +168,28 @@ def test_objectives_train_apart_with_their_own_scales_skips_and_tags(tmp_path):
     assert int(trainer.objectives["generator"].optimizer.iterations.numpy()) == 10
     for layer, before in zip(players, initial):
         assert not np.array_equal(layer.get_weights()[0], before[0])
+
+
+def test_the_generator_every_5_steps_runs_at_steps_5_and_10_only(tmp_path):
+    gan_trainer = run_recipe("objectives", MyTrainer=MyGANTrainer)["GANTrainer"]
+    trainer_class = run_recipe("cadence", GANTrainer=gan_trainer)["WGANTrainer"]
+    trainer = make(trainer_class, tmp_path, **{"precision.policy": "mixed_float16",
+                                               "optimizer.schedule": "cosine"})
+    generator = trainer.model.generator
+    initial = generator.get_weights()
+    trainer.train()
+    objectives = trainer.objectives
+    assert int(objectives["generator"].optimizer.iterations.numpy()) == 2
+    assert int(objectives["discriminator"].optimizer.iterations.numpy()) == 10
+    assert not np.array_equal(generator.get_weights()[0], initial[0])
+    train = events(str(tmp_path / "train"))
+    assert train["updates/generator"] == [(5, 1.0), (10, 1.0)]
+    assert "updates/discriminator" not in train
+    # The generator's cosine schedule runs over its own 10 // 5 = 2 updates: half-way at step 5
+    # after 1 update, as the discriminator's after 5 of its 10.
+    halfway = values(train, "learning_rate/discriminator")[0]
+    assert halfway == pytest.approx(0.5 * trainer.config.optimizer.learning_rate)
+    assert values(train, "learning_rate/generator") == pytest.approx([halfway, 0.0], abs=1e-9)
 
 
 def test_ema_is_evaluated_exported_checkpointed_and_swapped_in(tmp_path):

@@ -171,6 +171,50 @@ def test_ema_weights_are_evaluated_exported_and_resumed(tmp_path, distribution):
     np.testing.assert_array_equal(again.train_step.ema["model"].averages[0].numpy(), averages[0].numpy())
 
 
+class CadencedTrainer(TwoHeadTrainer):
+    """TwoHeadTrainer whose objective b is updated every 3rd step only: of its overflowing steps
+    3, 4 and 5, only step 3 is one of b's."""
+
+    def build_objectives(self):
+        objectives = super().build_objectives()
+        b = objectives["b"]
+        return {**objectives, "b": mixloop.Objective(b.layer, b.optimizer, every_steps=3)}
+
+
+def optimizer_state(trainer):
+    return {name: [v.numpy() for v in objective.optimizer.variables]
+            for name, objective in trainer.objectives.items()}
+
+
+@pytest.mark.parametrize("distribution", ["auto", "mirrored"])
+def test_an_objective_every_3_steps_is_reported_and_resumes_bit_identical(tmp_path, distribution):
+    straight = make(tmp_path / "straight", CadencedTrainer, distribution=distribution,
+                    **{"train.num_steps": 20})
+    straight.train()
+    train = events(str(tmp_path / "straight" / "train"))
+    assert train["updates/b"] == [(10, 3.0), (20, 3.0)]  # Steps 3, 6, 9 and 12, 15, 18.
+    assert "updates/a" not in train and "updates" not in train
+    assert [value for _, value in train["skipped_total/b"]] == [1.0, 1.0]  # Step 3 only.
+    assert train["loss_scale/b"][-1][1] == 2.0**14
+    assert straight.objectives["b"].optimizer.iterations.numpy() == 6 - 1
+    assert straight.objectives["a"].optimizer.iterations.numpy() == 20
+
+    make(tmp_path / "resumed", CadencedTrainer, distribution=distribution,
+         **{"train.num_steps": 10}).train()  # Stops between b's steps 9 and 12.
+    resumed = make(tmp_path / "resumed", CadencedTrainer, distribution=distribution,
+                   **{"train.num_steps": 20})
+    resumed.train()
+    assert events(str(tmp_path / "resumed" / "train"))["updates/b"] == [(10, 3.0), (20, 3.0)]
+    for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for name, values in optimizer_state(straight).items():
+        for a, b in zip(values, optimizer_state(resumed)[name]):
+            np.testing.assert_array_equal(a, b)
+        assert (resumed.objectives[name].loss_scale.scale.numpy()
+                == straight.objectives[name].loss_scale.scale.numpy())
+    assert resumed.state.skipped_totals() == straight.state.skipped_totals() == {"a": 0, "b": 1}
+
+
 class WeightedLossTrainer(tiny_experiment.TinyTrainer):
     """Reads its research state in compute_loss: a loss weight a curriculum could change."""
 

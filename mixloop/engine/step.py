@@ -6,16 +6,18 @@ The order of operations, once per call (a model with one loss has one objective)
     for each micro-batch:
         cast floating inputs to the compute dtype; forward in the compute dtype, once
         cast outputs to float32; each objective's loss in float32, as (loss_sum, weight) and metrics
-        per objective: scale its loss per weight by its own scale; differentiate with respect to
-            its own variables; unscale the gradients into float32 and weight them
+        per objective due at this step (`every_steps`; the others get zeros, no backward):
+            scale its loss per weight by its own scale; differentiate with respect to its own
+            variables; unscale the gradients into float32 and weight them
         add them, the losses, the weights and the weighted metrics to the accumulators
     sum everything over the replicas in one all-reduce
-    per objective:
+    per objective due at this step:
         average its gradients by its total weight; check finiteness once; take the global norm;
             clip the true (unscaled) gradient
         apply the update to its float32 master weights (and advance its EMA), or skip it and roll
             back its layer's non-trainable state
-        adjust its loss scale; report float32/bool metrics
+        adjust its loss scale
+    count the step; report float32/bool metrics
 """
 
 from __future__ import annotations
@@ -80,8 +82,12 @@ class TrainStep:
     NaN in the batch's floating model inputs). Each objective's report is a dict of scalars: `loss`
     (float32, unscaled, averaged by weight over the micro-batches), `loss_scale` (the scale used),
     `grads_finite` (bool), `grad_norm` (float32, of the unscaled averaged gradient before clipping),
-    `applied` (bool), `weight` (the total loss weight) and `metrics` (the train metrics its
-    `mixloop.Loss` carries, averaged by weight).
+    `ran` (bool: the objective was due at this step, see `Objective.every_steps`), `applied` (bool),
+    `weight` (the total loss weight) and `metrics` (the train metrics its `mixloop.Loss` carries,
+    averaged by weight).
+
+    Each call adds one to `global_step` (an int64 variable: the Trainer's, or one of the step's
+    own), whose value after the update decides which objectives are due.
 
     With `ema_decay` > 0, each applied update also advances an `ExponentialMovingAverage` of that
     objective's weights (`self.ema[name]`).
@@ -106,6 +112,7 @@ class TrainStep:
         jit_compile: bool = False,
         input_fn: Callable[[Batch], Any] = default_input_fn,
         ema_decay: float = 0.0,
+        global_step: Optional[tf.Variable] = None,
     ):
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps!r}")
@@ -128,6 +135,10 @@ class TrainStep:
         self.clip_global_norm = clip_global_norm
         self.input_fn = input_fn
         self.strategy = tf.distribute.get_strategy()
+        # Steps taken, skipped ones included; checkpointed by its owner, so a resumed run finds
+        # each objective's cadence where it left it.
+        self.global_step = global_step if global_step is not None else tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="global_step")
         self._traced_metric_names: Optional[dict[str, list[str]]] = None
         # Per objective and trainable variable: non-finite in that objective's last skipped update.
         self.nonfinite_gradients = {name: tf.Variable(
@@ -205,25 +216,41 @@ class TrainStep:
         scales = {name: objective.loss_scale.scale for name, objective in self.objectives.items()}
         saved_states = {name: [tf.identity(v) for v in objective.state]
                         for name, objective in self.objectives.items()}
-        grads, reports = self.strategy.run(self._replica_gradients, args=(batch,))
+        step_number = tf.convert_to_tensor(self.global_step) + 1  # The step this update makes.
+        grads, reports = self.strategy.run(self._replica_gradients, args=(batch, step_number))
         reports = tf.nest.map_structure(self._first_replica, reports)
+        due = self._due(step_number)
         objective_reports = {}
         for name, objective in self.objectives.items():
             report = dict(reports["objectives"][name])
             finite_per_variable = report.pop("finite_per_variable")
-            applied = tf.cond(
-                report["grads_finite"],
-                lambda: self._apply(name, grads[name]),
-                lambda: self._roll_back(name, saved_states[name], finite_per_variable),
-            )
-            objective.loss_scale.update(report["grads_finite"])
-            objective_reports[name] = {**report, "loss_scale": scales[name], "applied": applied}
+
+            def update():
+                applied = tf.cond(
+                    report["grads_finite"],
+                    lambda: self._apply(name, grads[name]),
+                    lambda: self._roll_back(name, saved_states[name], finite_per_variable),
+                )
+                objective.loss_scale.update(report["grads_finite"])
+                return applied
+
+            objective_reports[name] = {**report, "loss_scale": scales[name],
+                                       "ran": tf.constant(True) if due[name] is None else due[name],
+                                       "applied": _when(due[name], update, lambda: tf.constant(False))}
+        self.global_step.assign_add(1)
         return {"objectives": objective_reports, "inputs_finite": reports["inputs_finite"]}
 
-    def _replica_gradients(self, batch: Batch) -> tuple[dict, dict[str, Any]]:
+    def _due(self, step_number: tf.Tensor) -> dict[str, Optional[tf.Tensor]]:
+        """Per objective, whether update `step_number` is one of its (a bool tensor), or None for
+        an objective updated on every step (no conditional in the graph)."""
+        return {name: None if objective.every_steps == 1
+                else tf.equal(step_number % objective.every_steps, 0)
+                for name, objective in self.objectives.items()}
+
+    def _replica_gradients(self, batch: Batch, step_number: tf.Tensor) -> tuple[dict, dict[str, Any]]:
         """One replica's accumulated gradients, summed over replicas once, averaged, checked, clipped."""
         nonfinite_inputs = _count_nonfinite_floats(self.input_fn(batch))
-        grads, sums = self._accumulate(batch)
+        grads, sums = self._accumulate(batch, step_number)
         # The only communication of the update: every objective's gradients and sums, and the input
         # check, in one all-reduce.
         grads, sums, nonfinite_inputs = _sum_over_replicas((grads, sums, nonfinite_inputs))
@@ -250,14 +277,14 @@ class TrainStep:
         """The value of the first local replica (all replicas hold the same reduced metrics)."""
         return self.strategy.experimental_local_results(value)[0]
 
-    def _accumulate(self, batch: Batch) -> tuple[dict, dict[str, Any]]:
+    def _accumulate(self, batch: Batch, step_number: tf.Tensor) -> tuple[dict, dict[str, Any]]:
         """Sums each objective's unscaled float32 gradients and weighted sums over the micro-batches."""
         if self.accumulation_steps == 1:
-            return self._micro_step(batch)
+            return self._micro_step(batch, step_number)
         micro_batches = split_micro_batches(batch, self.accumulation_steps)
 
         def body(i, accumulated):
-            return i + 1, self._add_micro_batch_fn(micro_batches, i, accumulated)
+            return i + 1, self._add_micro_batch_fn(micro_batches, i, step_number, accumulated)
 
         names = self.metric_names(tf.nest.map_structure(
             lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro_batches))
@@ -269,10 +296,11 @@ class TrainStep:
             lambda i, *_: i < self.accumulation_steps, body, (tf.constant(0), zeros))
         return grads, sums
 
-    def _add_micro_batch(self, micro_batches: Batch, index: tf.Tensor, accumulated: tuple) -> tuple:
+    def _add_micro_batch(self, micro_batches: Batch, index: tf.Tensor, step_number: tf.Tensor,
+                         accumulated: tuple) -> tuple:
         """`accumulated` (gradients and sums) plus those of micro-batch `index` of `micro_batches`."""
         micro_batch = tf.nest.map_structure(lambda t: t[index], micro_batches)
-        return tf.nest.map_structure(tf.add, accumulated, self._micro_step(micro_batch))
+        return tf.nest.map_structure(tf.add, accumulated, self._micro_step(micro_batch, step_number))
 
     def metric_names(self, batch_spec: Any) -> dict[str, list[str]]:
         """Per objective, the names of the metrics `loss_fn` returns beside its loss, for batches of
@@ -301,9 +329,10 @@ class TrainStep:
             self._traced_metric_names = names
         return self._traced_metric_names
 
-    def _micro_step(self, micro_batch: Batch) -> tuple[dict, dict[str, Any]]:
+    def _micro_step(self, micro_batch: Batch, step_number: tf.Tensor) -> tuple[dict, dict[str, Any]]:
         """Forward in the compute dtype, losses in float32, scaled backward, unscaled float32
-        gradients: per objective, of its own loss with respect to its own variables.
+        gradients: per objective due at `step_number`, of its own loss with respect to its own
+        variables (zeros for the others, whose backward is not run).
 
         The scale multiplies the micro-batch's *mean* loss (sum / weight), so a token-weighted sum
         over thousands of tokens reaches the 16-bit backward with a mean's magnitudes; the weight goes
@@ -316,17 +345,21 @@ class TrainStep:
                 name: objective.loss_scale.scale_loss(
                     per_weight(losses[name].value, tf.stop_gradient(losses[name].weight)))
                 for name, objective in self.objectives.items()}
+        due = self._due(step_number)
         grads = {}
         for name, objective in self.objectives.items():
-            variables = objective.variables
-            scaled_grads = tape.gradient(scaled_losses[name], variables)
-            # Which variables the loss does not reach is known while tracing. They get zero
-            # gradients here, which change neither the norm nor the finiteness check, and no
-            # update (see _apply).
-            self.unused_variables[name] = [grad is None for grad in scaled_grads]
-            unscaled = objective.loss_scale.unscale(
-                [tf.zeros(v.shape, tf.float32) if g is None else g for g, v in zip(scaled_grads, variables)])
-            grads[name] = [_times_weight(g, losses[name].weight) for g in unscaled]
+            def gradients():
+                scaled_grads = tape.gradient(scaled_losses[name], objective.variables)
+                # Which variables the loss does not reach is known while tracing. They get zero
+                # gradients here, which change neither the norm nor the finiteness check, and no
+                # update (see _apply).
+                self.unused_variables[name] = [grad is None for grad in scaled_grads]
+                unscaled = objective.loss_scale.unscale(
+                    [_zeros_if_none(g, v) for g, v in zip(scaled_grads, objective.variables)])
+                return [_times_weight(g, losses[name].weight) for g in unscaled]
+
+            grads[name] = _when(due[name], gradients,
+                                lambda: [_zeros_if_none(None, v) for v in objective.variables])
         return grads, {name: _weighted_sums(loss) for name, loss in losses.items()}
 
     def _apply(self, name: str, grads: list) -> tf.Tensor:
@@ -377,6 +410,17 @@ def per_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
 def _times_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
     """`value * weight`; `value` itself for the weight 1 of a plain mean loss."""
     return value if tf.get_static_value(weight) == 1.0 else value * weight
+
+
+def _when(due: Optional[tf.Tensor], fn: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
+    """`fn()` where an objective is `due` and `otherwise()` where not, in a graph conditional that
+    runs only one of them; `fn()` itself for an objective due on every step (`due` None)."""
+    return fn() if due is None else tf.cond(due, fn, otherwise)
+
+
+def _zeros_if_none(grad: Optional[tf.Tensor], variable: tf.Variable) -> tf.Tensor:
+    """`grad`, or float32 zeros of `variable`'s shape for a variable the loss does not reach."""
+    return tf.zeros(variable.shape, tf.float32) if grad is None else grad
 
 
 def _select(values: list, keep: list[bool]) -> list:

@@ -344,7 +344,9 @@ def _log_first_skips(trainer: Runnable, interval: reporting.Interval, logged: se
 
 def _report_train(trainer: Runnable, writer: reporting.MetricWriter, step: int,
                   interval: reporting.Interval) -> dict:
-    scalars = interval.summary(step, trainer.state.skipped_totals(), trainer.config.train.batch_size)
+    cadenced = [name for name, objective in trainer.objectives.items() if objective.every_steps > 1]
+    scalars = interval.summary(step, trainer.state.skipped_totals(), trainer.config.train.batch_size,
+                               cadenced)
     for name, objective in trainer.objectives.items():
         scalars[reporting.tag("loss_scale", name, trainer.objectives)] = float(
             objective.loss_scale.scale.numpy())

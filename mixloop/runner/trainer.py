@@ -61,6 +61,7 @@ class Trainer:
             self.objectives = with_loss_scales(
                 self.build_objectives(),
                 lambda: precision_setup.make_loss_scale(config.precision, self.policy))
+            self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
             self.train_step = TrainStep(
                 model=self.model,
                 objectives=self.objectives,
@@ -71,10 +72,10 @@ class Trainer:
                 jit_compile=self.jit_compile is not False,
                 input_fn=self.model_inputs,
                 ema_decay=config.train.ema_decay,
+                global_step=self.state.global_step,  # The step counts its updates here.
             )
             self.compile_loops()
             _check_objective_variables(self.objectives, self.model)
-            self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
             # Before the data and the first trace, so compute_loss and build_datasets may read it.
             self.research_state = _checked_extra_state(self.extra_state())
         with reporting.announced(f"Building the datasets ({type(self).__name__}.build_datasets)"):
@@ -133,7 +134,7 @@ class Trainer:
 
     def build_optimizer(self) -> keras.optimizers.Optimizer:
         """Returns the optimizer; by default the one `config.optimizer` names."""
-        return optimizers.build_optimizer(self.config.optimizer, self.config.train.num_steps)
+        return optimizers.build_optimizer(self.config)
 
     def build_objectives(self) -> dict[str, Objective]:
         """Returns the objectives by name (called after `build_model`, in the strategy's scope).
@@ -225,12 +226,12 @@ class Trainer:
         return totals
 
     def _count_update(self, totals: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
-        """`totals` after the update whose step `metrics` these are; the counters moved on."""
-        self.state.global_step.assign_add(1)
+        """`totals` after the update whose step `metrics` these are; the skip counters moved on
+        (the step itself counts the update in `global_step`)."""
         objectives = {}
         for name, report in metrics["objectives"].items():
             skips = self.state.skips[name]
-            skips.record(report["applied"], self.train_step.nonfinite_gradients[name],
+            skips.record(report["ran"], report["applied"], self.train_step.nonfinite_gradients[name],
                          metrics["inputs_finite"])
             objectives[name] = {**reporting.add_update(totals["objectives"][name], report),
                                 "stop_reason": guard.stop_reason(
