@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 SECTION = "## Research recipes"
 RECIPES = ("train-metric", "objectives", "cadence", "ema", "ema-weights", "actions", "extra-state",
-           "schedule", "frozen")
+           "noise", "schedule", "frozen")
 _RECIPE = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```(?P<language>\w+)\n(?P<code>.*?)^```",
                      re.S | re.M)
 
@@ -264,6 +264,22 @@ def test_extra_state_survives_a_stop_and_resume(tmp_path):
     again = make(trainer_class, tmp_path, **{"train.num_steps": 20})
     again.restore()
     assert int(again.curriculum.numpy()) == 4
+
+
+def test_noise_at_eval_leaves_a_stopped_and_resumed_run_bit_identical(tmp_path):
+    trainer_class = run_recipe("noise", MyTrainer=MyTrainer)["NoisyTrainer"]
+    straight = make(trainer_class, tmp_path / "straight", **{"eval.every_steps": 10})
+    straight_metrics = straight.train()
+    make(trainer_class, tmp_path / "resumed", **{"train.num_steps": 5}).train()  # Evaluates at 5.
+    resumed = make(trainer_class, tmp_path / "resumed", **{"eval.every_steps": 10})
+    resumed_metrics = resumed.train()
+    for a, b in zip(straight.model.variables, resumed.model.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert resumed_metrics["eval_loss"] == straight_metrics["eval_loss"]
+    state = [v for v in straight.model.variables if "seed_generator" in v.path]
+    # Drawn once per micro-batch of the 10 updates, not at the evals.
+    assert len(state) == 1
+    assert int(state[0].numpy()[1]) == 10 * straight.config.train.accumulation_steps
 
 
 def test_schedule_advances_once_per_applied_update(tmp_path):

@@ -215,6 +215,58 @@ def test_an_objective_every_3_steps_is_reported_and_resumes_bit_identical(tmp_pa
     assert resumed.state.skipped_totals() == straight.state.skipped_totals() == {"a": 0, "b": 1}
 
 
+class Noise(keras.layers.Layer):
+    """Adds Gaussian noise in every call, eval's (`training=False`) too, as a VAE samples its latent:
+    drawn from a `SeedGenerator` of its own, a random state the checkpoint holds."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def call(self, inputs):
+        return inputs + 0.5 * keras.random.normal(keras.ops.shape(inputs), dtype=self.compute_dtype,
+                                                  seed=self.seed_generator)
+
+
+class NoisyEvalTrainer(tiny_experiment.TinyTrainer):
+    """TinyTrainer's data through a model with `Noise` after its hidden layer, and an eval-time
+    action that runs the model once more (drawing noise too)."""
+
+    def build_model(self):
+        inputs = keras.Input((8,))
+        hidden = Noise(name="noise")(keras.layers.Dense(16, activation="relu")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(3, name="logits")(hidden))
+
+    def actions(self):
+        return [mixloop.Action(self.run_the_model, at_eval=True)]
+
+    def run_the_model(self, step):
+        self.model(next(iter(self.eval_data))[0], training=False)
+
+
+@pytest.mark.parametrize("distribution", ["auto", "mirrored"])
+def test_eval_that_draws_noise_leaves_a_stopped_and_resumed_run_bit_identical(tmp_path, distribution):
+    overrides = {"train.num_steps": 20, "eval.every_steps": 10, "distribution": distribution}
+    straight = make(tmp_path / "straight", NoisyEvalTrainer, **overrides)
+    straight_metrics = straight.train()
+    # Stopped at 15, where the end of the run evaluates (and the action runs), then resumed.
+    make(tmp_path / "resumed", NoisyEvalTrainer, **{**overrides, "train.num_steps": 15}).train()
+    resumed = make(tmp_path / "resumed", NoisyEvalTrainer, **overrides)
+    resumed_metrics = resumed.train()
+    for a, b in zip(straight.model.variables, resumed.model.variables):  # The seed states too.
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    assert resumed_metrics["eval_loss"] == straight_metrics["eval_loss"]
+    assert resumed_metrics["eval_accuracy"] == straight_metrics["eval_accuracy"]
+    # Eval does draw: outside the controller's `random_states_kept` it moves the seed state.
+    seed_state = straight.model.get_layer("noise").seed_generator.state
+    before = seed_state.numpy()
+    straight.evaluate()
+    assert not np.array_equal(before, seed_state.numpy())
+    with straight.random_states_kept():
+        straight.evaluate()
+    np.testing.assert_array_equal(before + [0, 2], seed_state.numpy())
+
+
 class WeightedLossTrainer(tiny_experiment.TinyTrainer):
     """Reads its research state in compute_loss: a loss weight a curriculum could change."""
 

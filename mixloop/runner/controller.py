@@ -55,6 +55,9 @@ class Runnable(Protocol):
     def ema_weights(self) -> contextlib.AbstractContextManager:
         """The weights eval uses, swapped in for a `with` block."""
 
+    def random_states_kept(self) -> contextlib.AbstractContextManager:
+        """Every checkpointed random state put back as it was after a `with` block."""
+
     def actions(self) -> list:
         """The subclass's `Action`s."""
 
@@ -221,12 +224,15 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest,
         if stop.signal_number is not None:  # Save at once: a scheduler's grace period is short.
             break
         if _is_due(trainer, step, config.eval.every_steps):
-            if trainer.eval_data is not None:
-                metrics.update(_report_eval(trainer, writer, step))
-            at_eval = [action for action in actions if action.at_eval]
-            if at_eval:
-                with trainer.ema_weights():  # Eval-time actions see the weights eval saw.
-                    _run_actions(writer, "eval", step, at_eval)
+            # Eval leaves the run's random sequence where training had it: a run that stops (and
+            # evaluates) here and resumes then draws the noise a straight run draws.
+            with trainer.random_states_kept():
+                if trainer.eval_data is not None:
+                    metrics.update(_report_eval(trainer, writer, step))
+                at_eval = [action for action in actions if action.at_eval]
+                if at_eval:
+                    with trainer.ema_weights():  # Eval-time actions see the weights eval saw.
+                        _run_actions(writer, "eval", step, at_eval)
         if _is_due(trainer, step, config.checkpoint.every_steps):
             _save(trainer, step)
     return metrics, guard.CONTINUE

@@ -278,6 +278,27 @@ class Trainer:
                 stack.enter_context(average.swapped_in())
             yield
 
+    @contextlib.contextmanager
+    def random_states_kept(self) -> Iterator[None]:
+        """Puts every random state a checkpoint holds back as it was after the `with` block: the
+        state of each Keras `SeedGenerator` in the model (dropout's, `keras.random.normal(...,
+        seed=self.seed_generator)` in a `call`) and of each `tf.random.Generator` in
+        `extra_state()`.
+
+        The controller runs evaluation and the eval-time actions inside it: a model that draws
+        noise in `call(training=False)` (a VAE's sample, a GAN's noise) would otherwise advance the
+        run's random sequence at every eval, so a run stopped at step N (which evaluates there) and
+        resumed would draw other noise from then on than one that ran straight through.
+        """
+        states = _random_states(self.model, self.research_state)
+        saved = [tf.identity(state) for state in states]
+        try:
+            yield
+        finally:
+            with self.strategy.scope():
+                for state, value in zip(states, saved):
+                    state.assign(value)
+
     def restore(self) -> Optional[str]:
         """Restores the workdir's latest checkpoint; returns its path, or None for a fresh run.
 
@@ -467,6 +488,15 @@ def _checked_extra_state(state: Any) -> dict[str, Any]:
             raise UserError(f"extra_state()[{key!r}] is a {type(value).__name__}, which a checkpoint "
                             f"cannot hold; use a tf.Variable and assign to it") from None
     return state
+
+
+def _random_states(model: keras.Model, research_state: dict[str, Any]) -> list:
+    """The variables that hold random states: each Keras `SeedGenerator`'s in `model` (Keras lists
+    them in `variables` but not in `weights`) and each `tf.random.Generator`'s in `research_state`."""
+    weights = {id(weight) for weight in model.weights}
+    return ([v for v in model.variables if id(v) not in weights]
+            + [value.state for value in research_state.values()
+               if isinstance(value, tf.random.Generator)])
 
 
 def _learning_rate_variables(objectives: dict[str, Objective]) -> dict[str, tuple[Any, float]]:
