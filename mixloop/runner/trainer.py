@@ -73,6 +73,7 @@ class Trainer:
                 input_fn=self.model_inputs,
                 ema_decay=config.train.ema_decay,
                 global_step=self.state.global_step,  # The step counts its updates here.
+                batch_loss=config.train.batch_loss,
             )
             self.compile_loops()
             _check_objective_variables(self.objectives, self.model)
