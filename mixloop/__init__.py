@@ -4,6 +4,7 @@ from mixloop import interrupts
 
 interrupts.exit_quietly_while_starting()  # Before TensorFlow's import: only for the command.
 
+from mixloop.engine.input_gradients import input_gradients
 from mixloop.engine.layer_precision import build_model, keep_float32_layers
 from mixloop.engine.loss import Loss
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, all_finite
@@ -28,6 +29,7 @@ __all__ = [
     "build_model",
     "build_optimizer",
     "forward",
+    "input_gradients",
     "keep_float32_layers",
 ]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Any, Iterator, Optional
 
 import keras
@@ -57,6 +58,7 @@ class Trainer:
                 self.model = self.build_model()
             placement = layer_precision.keep_float32_layers(
                 self.model, self.policy, split_auto(config.precision.float32_layers)[1])
+            placement += layer_precision.own_float32_layers(self.model, self.policy, placement)
             logging.info("%s", layer_precision.describe_placement(placement, self.policy))
             self.objectives = with_loss_scales(
                 self.build_objectives(),
@@ -376,7 +378,7 @@ class Trainer:
             if os.path.exists(partial):
                 os.remove(partial)
             logging.warning("Could not export the model (the checkpoints hold the trained weights): "
-                            "%s: %s", type(error).__name__, _first_line(error))
+                            "%s", _export_failure(error))
             return None
         os.replace(partial, path)
         classes = exporting.custom_classes(path)
@@ -446,9 +448,18 @@ class Trainer:
         return os.path.join(self.workdir, "checkpoints")
 
 
-def _first_line(error: Exception) -> str:
-    """The first non-empty line of an exception's message (Keras's run over many lines)."""
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+def _export_failure(error: Exception) -> str:
+    """One line for an export Keras refused: the first paragraph of its message (Keras's run over
+    many lines and go on with example code), and for a class Keras cannot rebuild without a
+    `get_config`, what to add."""
+    summary = " ".join(str(error).strip().split("\n\n")[0].split())
+    unsaveable = re.search(r"Object (\w+) was created by passing", summary)
+    if unsaveable:
+        name = unsaveable[1]
+        summary += (f" Add to {name} a get_config() that returns its __init__ arguments, e.g. "
+                    f"`return {{**super().get_config(), \"width\": self.width}}`, and register it "
+                    f"with @keras.saving.register_keras_serializable() (as gan_digits' GAN).")
+    return f"{type(error).__name__}: {summary}"
 
 
 def _check_objective_variables(objectives: dict[str, Objective], model: keras.Model) -> None:
