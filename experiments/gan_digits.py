@@ -52,7 +52,7 @@ import tensorflow as tf
 import mixloop
 from mixloop.config import base_config
 
-from experiments.digits import NUM_CLASSES, load_digits_arrays
+from experiments.digits import NUM_CLASSES, load_digits_arrays, split_indices
 
 IMAGE_SHAPE = (8, 8, 1)
 LEAKY_SLOPE = 0.2  # DCGAN's LeakyReLU slope.
@@ -259,8 +259,7 @@ class GANTrainer(mixloop.Trainer):
         """Shuffled train batches and in-order eval batches of real images in [-1, 1] (no labels),
         split by a fixed permutation. Fits the `DigitJudge` on the train images and labels."""
         images, labels = load_digits_arrays()
-        order = np.random.default_rng(self.config.data.split_seed).permutation(len(labels))
-        eval_index, train_index = np.split(order, [self.config.data.num_eval])
+        eval_index, train_index = split_indices(len(labels), self.config.data)
         self.judge = DigitJudge(images[train_index], labels[train_index])
         # Fixed noise: samples at different evals differ only by the weights.
         self.sample_noise = np.random.default_rng(self.config.seed).standard_normal(

@@ -56,10 +56,10 @@ def on_first_replica(tree: Any) -> Any:
     return tf.nest.map_structure(lambda t: tf.where(first, t, tf.zeros_like(t)), tree)
 
 
-def floating(tree: Any) -> list[bool]:
-    """For each leaf of `tree` (in `tf.nest.flatten` order), whether it is a floating tensor: the
-    outputs a loss can be differentiated with respect to."""
-    return [tf.as_dtype(t.dtype).is_floating for t in tf.nest.flatten(tree)]
+def floating_leaves(tree: Any) -> list[tf.Tensor]:
+    """The floating tensors of `tree`, in `tf.nest.flatten` order: the outputs a loss can be
+    differentiated with respect to."""
+    return [t for t in tf.nest.flatten(tree) if tf.as_dtype(t.dtype).is_floating]
 
 
 def loss_and_output_gradients(
@@ -69,7 +69,7 @@ def loss_and_output_gradients(
     loss per weight (`per_weight`: the mean the step scales) with respect to each floating leaf of
     `outputs` (zeros where the loss does not read a leaf), in float32.
     """
-    leaves = [t for t, is_float in zip(tf.nest.flatten(outputs), floating(outputs)) if is_float]
+    leaves = floating_leaves(outputs)
     with tf.GradientTape(persistent=len(objective_names) > 1) as tape:
         tape.watch(leaves)
         losses = as_losses(loss_fn(outputs, batch), objective_names)

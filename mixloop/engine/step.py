@@ -67,6 +67,11 @@ def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
     return tf.nest.map_structure(split, batch)
 
 
+def micro_batch_at(micro_batches: Batch, index: tf.Tensor) -> Batch:
+    """Micro-batch `index` of what `split_micro_batches` made."""
+    return tf.nest.map_structure(lambda t: t[index], micro_batches)
+
+
 def forward(model: keras.Model, policy: Policy, inputs: Any, *, training: bool) -> Any:
     """The model on `inputs` in `policy`: floating inputs cast to the compute dtype, floating outputs
     to the output dtype (float32), which is what a loss reads. The step, eval, the doctor and the
@@ -363,8 +368,8 @@ class TrainStep:
 
     def _forward_micro_batch(self, micro_batches: Batch, index: tf.Tensor) -> Any:
         """The first pass on micro-batch `index`: the float32 outputs of a forward without a tape."""
-        micro_batch = tf.nest.map_structure(lambda t: t[index], micro_batches)
-        return forward(self.model, self.policy, self.input_fn(micro_batch), training=True)
+        inputs = self.input_fn(micro_batch_at(micro_batches, index))
+        return forward(self.model, self.policy, inputs, training=True)
 
     def _add_backward(self, micro_batches: Batch, output_grads: dict, index: tf.Tensor,
                       step_number: tf.Tensor, accumulated: dict) -> dict:
@@ -372,11 +377,10 @@ class TrainStep:
         unscaled float32 gradients from the forward again and a backward that starts at the
         outputs with the loss scale times `output_grads` (the whole batch's loss's gradient with
         respect to those outputs, [k, micro-batch, ...] per floating output)."""
-        micro_batch = tf.nest.map_structure(lambda t: t[index], micro_batches)
+        inputs = self.input_fn(micro_batch_at(micro_batches, index))
         with tf.GradientTape(persistent=len(self.objectives) > 1) as tape:
-            outputs = forward(self.model, self.policy, self.input_fn(micro_batch), training=True)
-        leaves = [t for t, is_float in zip(tf.nest.flatten(outputs), global_batch.floating(outputs))
-                  if is_float]
+            leaves = global_batch.floating_leaves(
+                forward(self.model, self.policy, inputs, training=True))
         due = self._due(step_number)
         grads = {}
         for name, objective in self.objectives.items():
@@ -408,8 +412,8 @@ class TrainStep:
     def _add_micro_batch(self, micro_batches: Batch, index: tf.Tensor, step_number: tf.Tensor,
                          accumulated: tuple) -> tuple:
         """`accumulated` (gradients and sums) plus those of micro-batch `index` of `micro_batches`."""
-        micro_batch = tf.nest.map_structure(lambda t: t[index], micro_batches)
-        return tf.nest.map_structure(tf.add, accumulated, self._micro_step(micro_batch, step_number))
+        return tf.nest.map_structure(tf.add, accumulated,
+                                     self._micro_step(micro_batch_at(micro_batches, index), step_number))
 
     def metric_names(self, batch_spec: Any) -> dict[str, list[str]]:
         """Per objective, the names of the metrics `loss_fn` returns beside its loss, for batches of
