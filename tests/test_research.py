@@ -88,7 +88,7 @@ def make(workdir, trainer_class=TwoHeadTrainer, **overrides):
 def events(directory):
     """{tag: [(step, value)]} for scalars, and {tag: [(step, text)]} for text summaries."""
     found = {}
-    for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+    for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 array = tf.make_ndarray(value.tensor)

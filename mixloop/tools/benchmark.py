@@ -73,7 +73,9 @@ POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 POLICY_RATIOS = ("mixed_bfloat16/float32", "mixed_float16/float32")
 RATIOS = (*POLICY_RATIOS, "mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare",
           "dynamic/none", "k8/k1", "k2/k1 with XLA", "k2/k1 without XLA", "ema/no-ema",
-          "metric/no-metric", "two-passes/plain")
+          "metric/no-metric")
+# With train.batch_loss, also: the two passes' examples/s over plain accumulation's (their cost's inverse).
+BATCH_LOSS_RATIO = "two-passes/plain"
 EMA_DECAY = 0.999  # The ema_decay of the EMA variant.
 EXTRA_METRIC = "benchmark_output_mean"  # The +metric variant's train metric.
 
@@ -391,7 +393,7 @@ def _ordered(a: Variant, b: Variant, *, first_is_on: bool) -> tuple[Variant, Var
 
 
 def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) -> dict[str, float]:
-    """The ratios of RATIOS, keyed by name."""
+    """The ratios of RATIOS (and BATCH_LOSS_RATIO with train.batch_loss), keyed by name."""
     by_name = {v.name: v for v in variants}
     policy, k, scale, xla, _ = _settings(config)
     float16 = _float16_policy(config)
@@ -414,10 +416,10 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
         "ema/no-ema": _ordered(by_name["mixloop"], _starting(variants, "mixloop ema_decay="),
                                first_is_on=bool(config.train.ema_decay)),
         "metric/no-metric": (by_name["mixloop +metric"], by_name["mixloop"]),
-        # Examples/s of the two passes over plain accumulation's: the two passes cost its inverse.
-        "two-passes/plain": (by_name["mixloop"], by_name.get("mixloop batch_loss=False")),
+        BATCH_LOSS_RATIO: (by_name["mixloop"], by_name.get("mixloop batch_loss=False")),
     }
-    return {name: pairwise_ratio(*pairs[name]) for name in RATIOS}
+    names = RATIOS + ((BATCH_LOSS_RATIO,) if config.train.batch_loss else ())
+    return {name: pairwise_ratio(*pairs[name]) for name in names}
 
 
 # ----- Results: JSON and the table. -----
