@@ -93,6 +93,14 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return images, digits.target.astype(np.int32)
 
 
+def split_indices(num_images: int, data: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
+    """(eval indices, train indices): `data.num_eval` images set aside by a fixed permutation
+    (`data.split_seed`), the same for every digits experiment."""
+    order = np.random.default_rng(data.split_seed).permutation(num_images)
+    eval_index, train_index = np.split(order, [data.num_eval])
+    return eval_index, train_index
+
+
 class DigitsTrainer(mixloop.Trainer):
     """Ten-way classification of 8x8 digits; reports eval loss and accuracy."""
 
@@ -116,8 +124,7 @@ class DigitsTrainer(mixloop.Trainer):
     def build_datasets(self) -> tuple[tf.data.Dataset, tf.data.Dataset]:
         """Shuffled train batches and in-order eval batches, split by a fixed permutation."""
         images, labels = load_digits_arrays()
-        order = np.random.default_rng(self.config.data.split_seed).permutation(len(labels))
-        eval_index, train_index = np.split(order, [self.config.data.num_eval])
+        eval_index, train_index = split_indices(len(labels), self.config.data)
         batch_size = self.config.train.batch_size
         train = (tf.data.Dataset.from_tensor_slices((images[train_index], labels[train_index]))
                  .shuffle(len(train_index), seed=self.config.seed, reshuffle_each_iteration=True)

@@ -50,11 +50,9 @@ import numpy as np
 import tensorflow as tf
 
 import mixloop
-from mixloop.runner import optimizers
 from mixloop.config import base_config
-from mixloop.engine.step import forward
 
-from experiments.digits import NUM_CLASSES, load_digits_arrays
+from experiments.digits import NUM_CLASSES, load_digits_arrays, split_indices
 
 IMAGE_SHAPE = (8, 8, 1)
 LEAKY_SLOPE = 0.2  # DCGAN's LeakyReLU slope.
@@ -253,17 +251,15 @@ class GANTrainer(mixloop.Trainer):
 
     def build_objectives(self) -> dict[str, mixloop.Objective]:
         """The generator and the discriminator, each with its own optimizer from `config.optimizer`."""
-        def optimizer():
-            return optimizers.build_optimizer(self.config.optimizer, self.config.train.num_steps)
-        return {"generator": mixloop.Objective(self.model.generator, optimizer()),
-                "discriminator": mixloop.Objective(self.model.discriminator, optimizer())}
+        return {"generator": mixloop.Objective(self.model.generator, mixloop.build_optimizer(self.config)),
+                "discriminator": mixloop.Objective(self.model.discriminator,
+                                                   mixloop.build_optimizer(self.config))}
 
     def build_datasets(self) -> tuple[tf.data.Dataset, tf.data.Dataset]:
         """Shuffled train batches and in-order eval batches of real images in [-1, 1] (no labels),
         split by a fixed permutation. Fits the `DigitJudge` on the train images and labels."""
         images, labels = load_digits_arrays()
-        order = np.random.default_rng(self.config.data.split_seed).permutation(len(labels))
-        eval_index, train_index = np.split(order, [self.config.data.num_eval])
+        eval_index, train_index = split_indices(len(labels), self.config.data)
         self.judge = DigitJudge(images[train_index], labels[train_index])
         # Fixed noise: samples at different evals differ only by the weights.
         self.sample_noise = np.random.default_rng(self.config.seed).standard_normal(
@@ -306,7 +302,7 @@ class GANTrainer(mixloop.Trainer):
     def generate(self, noise: np.ndarray) -> np.ndarray:
         """Images [N, 8, 8, 1] in [0, 1] from noise [N, latent_dim], in the run's precision (the
         generator's BatchNorm with its moving statistics)."""
-        images = forward(self.model.generator, self.policy, tf.constant(noise), training=False)
+        images = mixloop.forward(self.model.generator, self.policy, tf.constant(noise), training=False)
         return (np.asarray(images) + 1.0) / 2.0
 
     def actions(self) -> list[mixloop.Action]:

@@ -71,6 +71,10 @@ def base_config() -> ml_collections.ConfigDict:
     config.train.num_steps = 1000  # Optimizer updates to run, skipped ones included.
     config.train.batch_size = 32  # Global examples per optimizer update.
     config.train.accumulation_steps = 1  # Micro-batches per update; must divide batch_size.
+    # compute_loss sees the outputs of the whole global batch (every micro-batch and replica), for
+    # losses that couple examples (contrastive): two passes per micro-batch (GradCache), the exact
+    # whole-batch gradient. False: it sees one micro-batch of one replica at a time.
+    config.train.batch_loss = False
     config.train.steps_per_loop = 10  # Updates per compiled loop call (Python leaves the hot path).
     config.train.log_every_steps = 100  # Console progress line and TensorBoard train summaries.
     config.train.clip_global_norm = 0.0  # Clip the true gradient to this global norm; 0 disables.
@@ -204,8 +208,8 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
         _require(_is_int(t[key]) and t[key] >= 1, f"train.{key}", t[key], "a positive integer")
     for key in ("max_consecutive_skips", "max_recoveries"):
         _require(_is_int(t[key]) and t[key] >= 0, f"train.{key}", t[key], "a non-negative integer")
-    _require(isinstance(t.repeat_dataset, bool), "train.repeat_dataset", t.repeat_dataset,
-             "True or False")
+    for key in ("repeat_dataset", "batch_loss"):
+        _require(isinstance(t[key], bool), f"train.{key}", t[key], "True or False")
     _require(t.batch_size % t.accumulation_steps == 0, "train.accumulation_steps",
              t.accumulation_steps, f"a divisor of train.batch_size={t.batch_size}")
     _require(_is_number(t.clip_global_norm) and t.clip_global_norm >= 0, "train.clip_global_norm",

@@ -108,9 +108,21 @@ def test_with_xla_off_the_variations_turn_it_on():
     assert "mixloop jit_compile=True" in names and "mixloop policy=float32 jit_compile=True" in names
 
 
+def test_a_loss_over_the_whole_batch_is_timed_beside_plain_accumulation():
+    config = tiny_experiment.get_config()
+    assert not any("batch_loss" in name for name in benchmark.mixloop_configs(config))
+    config.train.batch_loss = True
+    configs = benchmark.mixloop_configs(config)
+    assert list(configs)[-1] == "mixloop batch_loss=False"
+    plain = configs["mixloop batch_loss=False"]
+    assert not plain.train.batch_loss
+    assert plain.train.accumulation_steps == config.train.accumulation_steps == 2
+    assert all(c.train.batch_loss for name, c in configs.items() if name != "mixloop batch_loss=False")
+
+
 def test_ratios_pair_repeats_before_taking_the_median():
     def variant(seconds):
-        return benchmark.Variant("v", "float32", 1, "none", False, run_fn=lambda: None, seconds=seconds)
+        return benchmark.Variant("v", "float32", 1, "none", False, False, run_fn=lambda: None, seconds=seconds)
 
     # A noisy second repeat slows both: per-repeat ratios 2, 2, 0.5 have median 2; the ratio of
     # the median speeds would say 1.
@@ -120,7 +132,7 @@ def test_ratios_pair_repeats_before_taking_the_median():
 
 def test_a_policy_is_compared_with_float32_each_in_its_faster_compile_mode():
     def variant(name, policy, xla, seconds, scale="none"):
-        return benchmark.Variant(name, policy, 2, scale, xla, run_fn=lambda: None, seconds=seconds)
+        return benchmark.Variant(name, policy, 2, scale, xla, False, run_fn=lambda: None, seconds=seconds)
 
     variants = [
         variant("mixloop", "float32", True, [2.0, 2.0, 2.0]),
@@ -144,12 +156,16 @@ def test_a_policy_is_compared_with_float32_each_in_its_faster_compile_mode():
 def test_what_model_fit_cannot_train_is_timed_without_the_keras_and_bare_rows():
     pairs = tf.data.Dataset.from_tensors((tf.zeros([2, 8]), tf.zeros([2])))
     images = tf.data.Dataset.from_tensors(tf.zeros([2, 8, 8, 1]))
-    one, two = SimpleNamespace(objectives={"model": None}), SimpleNamespace(objectives={"a": None, "b": None})
+    config = tiny_experiment.get_config()
+    one = SimpleNamespace(objectives={"model": None}, config=config)
+    two = SimpleNamespace(objectives={"a": None, "b": None}, config=config)
     assert benchmark.without_keras(one, pairs) == ""
     assert benchmark.without_keras(one, images).startswith("train batches that are not (inputs, targets)")
     assert benchmark.without_keras(two, pairs) == "2 objectives (one loss each)"
-    assert benchmark.pairwise_ratio(benchmark.Variant("v", "float32", 1, "none", False, lambda: None,
-                                                      [1.0]), None) is None
+    config.train.batch_loss = True
+    assert benchmark.without_keras(one, pairs).startswith("a loss over the whole batch")
+    assert benchmark.pairwise_ratio(benchmark.Variant("v", "float32", 1, "none", False, False,
+                                                      lambda: None, [1.0]), None) is None
     assert benchmark._shown(None) == "n/a" and benchmark._shown(1.234) == "1.23"
 
 
@@ -227,7 +243,7 @@ def test_the_keras_fit_loss_gives_compute_loss_its_integer_labels_back(tmp_path)
 
 def test_timing_logs_each_warm_up_and_each_repeat_as_it_goes(caplog):
     caplog.set_level(logging.INFO)
-    variants = [benchmark.Variant(name, "float32", 1, "none", False, lambda: time.sleep(0.01))
+    variants = [benchmark.Variant(name, "float32", 1, "none", False, False, lambda: time.sleep(0.01))
                 for name in ("bare", "mixloop")]
     benchmark.time_interleaved(variants, repeats=2, examples_per_repeat=100)
 

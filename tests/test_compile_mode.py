@@ -53,7 +53,7 @@ def test_auto_picks_the_faster_mode_and_records_it(tmp_path, pinned_speeds, xla_
     trainer.train()
     assert trainer.jit_compile is expected and trainer.train_step.jit_compile is expected
     # tiny_experiment accumulates 2 micro-batches: XLA compiles the loop's body.
-    assert getattr(trainer.train_step._add_micro_batch_fn, "_jit_compile", False) is expected
+    assert getattr(trainer.train_step._body("add_micro_batch"), "_jit_compile", False) is expected
     assert sorted(set(timed)) == [False, True] and timed.count(True) == timed.count(False)
     assert resolved(tmp_path) == {"jit_compile": expected}
     # The probe's trace of the chosen loop and step is the one the run goes on with.
@@ -123,7 +123,7 @@ def test_an_explicit_mode_is_never_probed_or_overridden(tmp_path, pinned_speeds,
     trainer = make_trainer(tmp_path, jit_compile=jit_compile)
     trainer.train()
     assert trainer.jit_compile is jit_compile and timed == []
-    assert getattr(trainer.train_step._add_micro_batch_fn, "_jit_compile", False) is jit_compile
+    assert getattr(trainer.train_step._body("add_micro_batch"), "_jit_compile", False) is jit_compile
     assert resolved(tmp_path) == {}
 
 

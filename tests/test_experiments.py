@@ -82,6 +82,26 @@ def test_reversal_examples_reverse_each_sequence_and_teacher_force_it():
         assert arrays["decoder_padding_mask"][row].sum() == min(length + 1, 8)
 
 
+def test_simclr_digits_quick_trains_on_the_whole_batch_loss(tmp_path):
+    result = run_cli("--config=experiments/simclr_digits.py:quick", f"--workdir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = last_eval(result.stderr)
+    assert 0.5 < metrics["knn_accuracy"] <= 1.0 and 0.0 < metrics["few_label_accuracy"] <= 1.0
+    # 4 micro-batches of 32 pairs, but NT-Xent over all 128 pairs (255 candidates: chance log 255 =
+    # 5.54): above what a micro-batch's loss can start at (63 candidates, log 63 = 4.14).
+    train_loss = float(re.search(r"step 20/40  loss ([0-9.]+)", result.stderr).group(1))
+    assert 4.6 < train_loss < 5.6
+    assert (tmp_path / "model.keras").exists()
+
+
+def test_wgan_gp_digits_quick_updates_the_generator_every_5_steps(tmp_path):
+    result = run_cli("--config=experiments/wgan_gp_digits.py:quick", f"--workdir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"step 50/100  .*updates/generator 10 ", result.stderr)
+    assert 0.0 < last_eval(result.stderr)["frechet_distance"]
+    assert (tmp_path / "model.keras").exists()
+
+
 @pytest.fixture
 def bert_mlm(monkeypatch):
     """The experiment module, imported as the CLI imports it: from the repository root."""

@@ -136,3 +136,34 @@ def test_sigkill_anywhere_loses_nothing(tmp_path, reference):
     assert kills == 3
     assert_every_checkpoint_restores(tmp_path)
     assert_same_state(tmp_path, reference)
+
+
+def test_sigkill_keeps_the_cadence_of_an_objective_every_5_steps(tmp_path):
+    """wgan_gp_digits' generator updates every 5 steps: killed after the checkpoint of step 48 and
+    resumed, the run goes on with the generator's updates at 50, 55, ... and ends bit-identical to
+    a straight run (its optimizer iterations, slots and loss scale included)."""
+    repo = os.path.dirname(TESTS_DIR)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+
+    def command(workdir):
+        return [sys.executable, "-m", "mixloop.train", "--config=experiments/wgan_gp_digits.py:quick",
+                f"--workdir={workdir}", "--config.checkpoint.every_steps=48"]
+
+    straight = subprocess.run(command(tmp_path / "straight"), env=env, cwd=repo, capture_output=True,
+                              text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = subprocess.Popen(command(tmp_path / "killed"), env=env, cwd=repo,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not glob.glob(str(tmp_path / "killed" / "checkpoints" / "ckpt-48.index")):
+        assert killed.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    killed.kill()
+    killed.wait(timeout=60)
+    resumed = subprocess.run(command(tmp_path / "killed"), env=env, cwd=repo, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Restored {tmp_path / 'killed' / 'checkpoints' / 'ckpt-48'}" in resumed.stderr
+    state = final_state(tmp_path / "killed")
+    assert any(name.startswith("objectives/generator") for name in state)
+    assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))

@@ -9,8 +9,9 @@ import tensorflow as tf
 
 import mixloop
 from mixloop.config import ConfigError
-from mixloop.engine.layer_precision import (FLOAT32_LAYER_TYPES, building_under, describe_placement,
-                                            keep_float32_layers, move_to_float32, named_layers)
+from mixloop.engine.layer_precision import (FLOAT32_LAYER_TYPES, OWN_POLICY, building_under,
+                                            describe_placement, keep_float32_layers, move_to_float32,
+                                            named_layers, own_float32_layers)
 from mixloop.engine.policy import Policy
 from mixloop.engine.step import TrainStep
 
@@ -136,6 +137,24 @@ def test_user_regex_forces_a_layer_and_a_whole_block_to_float32():
     assert dtypes_of(ops_in(ops, "attention_fused", MATRIX_OPS)) == {"float32"}
     for scope in ("body", "attention_softmax"):
         assert dtypes_of(ops_in(ops, scope, MATRIX_OPS)) == {"float16"}, scope
+
+
+def test_layers_in_float32_by_a_policy_of_their_own_are_named_apart_from_the_placement():
+    """A layer built with dtype="float32" (Keras's idiom for an output layer) keeps it; the placement
+    line names it, but not a sublayer of a layer the placement keeps."""
+    policy = Policy.from_string("mixed_float16")
+    with building_under(policy):
+        inputs = keras.Input((WIDTH,))
+        own = keras.layers.Dense(WIDTH, dtype="float32", name="own")(inputs)
+        kept_block = keras.Sequential([keras.layers.Dense(WIDTH, dtype="float32", name="inner")],
+                                      name="block")
+        model = keras.Model(inputs, keras.layers.Dense(2, name="logits")(kept_block(own)))
+    kept = keep_float32_layers(model, policy, "block")
+    assert own_float32_layers(model, policy, kept) == [
+        mixloop.engine.layer_precision.Float32Layer("own", OWN_POLICY)]
+    assert own_float32_layers(model, Policy.from_string("float32"), []) == []
+    line = describe_placement(kept + own_float32_layers(model, policy, kept), policy)
+    assert line.endswith(f"; 1 by {OWN_POLICY} (own)")
 
 
 def test_keep_float32_layers_reports_the_layers_it_switched_and_why():

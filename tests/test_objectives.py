@@ -119,6 +119,75 @@ def test_objective_a_trains_exactly_as_it_would_alone():
             np.testing.assert_array_equal(x, y)
 
 
+def cadence_batches(num_steps, overflow_steps):
+    """(x, y, boost) batches, b's loss boosted into a float16 overflow at the 1-based `overflow_steps`."""
+    rng = np.random.default_rng(4)
+    for step in range(1, num_steps + 1):
+        yield (tf.constant(rng.normal(size=(BATCH, 4)), tf.float32),
+               tf.constant(rng.normal(size=(BATCH, 2)), tf.float32),
+               tf.fill([BATCH], OVERFLOW if step in overflow_steps else 1.0))
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_an_objective_every_3_steps_runs_its_backward_and_moves_its_state_at_steps_3_6_9_only(
+        accumulation_steps):
+    """b (every_steps=3) overflows at step 4, where it does not run (nothing happens), and at step 6,
+    where it does (skipped, its scale backs off); its backward, update, optimizer iterations and
+    scale move at steps 3, 6 and 9 only, while a trains on every step."""
+    backward_passes = tf.Variable(0, dtype=tf.int64)
+
+    @tf.custom_gradient
+    def counted(x):  # The identity, whose backward pass counts itself.
+        def grad(dy):
+            with tf.control_dependencies([backward_passes.assign_add(1)]):
+                return tf.identity(dy)
+        return tf.identity(x), grad
+
+    def loss_fn(outputs, batch):
+        return two_losses({"a": outputs["a"], "b": counted(outputs["b"])}, batch)
+
+    keras.utils.set_random_seed(5)
+    policy = mixloop.Policy.from_string("mixed_float16")
+    model = mixloop.build_model(two_headed_model, policy)
+    # b's scale doubles after each applied update of its own, so it shows when b ran.
+    b_scale = mixloop.DynamicLossScale(initial_scale=2.0**10, growth_interval=1)
+    step = mixloop.TrainStep(model=model, loss_fn=loss_fn, policy=policy,
+                             accumulation_steps=accumulation_steps, objectives={
+        "a": mixloop.Objective(model.get_layer("a"), keras.optimizers.SGD(0.1),
+                               mixloop.DynamicLossScale(initial_scale=2.0**10)),
+        "b": mixloop.Objective(model.get_layer("b"), keras.optimizers.SGD(0.1), b_scale, every_steps=3)})
+    b = step.objectives["b"]
+    seen = []
+    for batch in cadence_batches(10, overflow_steps=(4, 6)):
+        weights = [v.numpy() for v in b.variables]
+        report = step(batch)["objectives"]
+        seen.append(dict(ran=bool(report["b"]["ran"]), applied=bool(report["b"]["applied"]),
+                         moved=not np.array_equal(weights[0], b.variables[0].numpy()),
+                         iterations=int(b.optimizer.iterations.numpy()),
+                         scale=float(b.loss_scale.scale.numpy()),
+                         backward_passes=int(backward_passes.numpy()),
+                         a_applied=bool(report["a"]["applied"])))
+    column = lambda key: [update[key] for update in seen]
+    assert column("ran") == [False, False, True, False, False, True, False, False, True, False]
+    assert column("applied") == [False, False, True, False, False, False, False, False, True, False]
+    assert column("moved") == column("applied")
+    assert column("iterations") == [0, 0, 1, 1, 1, 1, 1, 1, 2, 2]
+    assert column("scale") == [2.0**10] * 2 + [2.0**11] * 3 + [2.0**10] * 3 + [2.0**11] * 2
+    # b's backward runs once per micro-batch on its steps only; a's on every step.
+    assert column("backward_passes") == [accumulation_steps * n for n in
+                                         [0, 0, 1, 1, 1, 2, 2, 2, 3, 3]]
+    assert column("a_applied") == [True] * 10
+    assert step.objectives["a"].optimizer.iterations.numpy() == 10
+    assert int(step.global_step.numpy()) == 10
+
+
+def test_every_steps_must_be_a_whole_number_of_at_least_one():
+    sgd = keras.optimizers.SGD(0.1)
+    for every in (0, 2.5, True):
+        assert f"every_steps={every!r}; it must be a whole number" in one_line_error(
+            lambda layers: {"a": mixloop.Objective(layers["a"], sgd, every_steps=every)})
+
+
 def collective_ops(step, strategy):
     dataset = tf.data.Dataset.from_generator(
         batches, output_signature=(tf.TensorSpec([BATCH, 4]), tf.TensorSpec([BATCH, 2]),

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from mixloop.config import base_config
-from mixloop.runner.optimizers import build_optimizer, learning_rate_schedule
+import mixloop
+from mixloop.runner.optimizers import learning_rate_schedule
 
 
 def optimizer_config(**fields):
@@ -37,9 +38,23 @@ def test_schedule_values(schedule, warmup, expected):
 @pytest.mark.parametrize("name, cls", [("sgd", keras.optimizers.SGD), ("momentum", keras.optimizers.SGD),
                                        ("adam", keras.optimizers.Adam), ("adamw", keras.optimizers.AdamW)])
 def test_build_optimizer_by_name(name, cls):
-    optimizer = build_optimizer(optimizer_config(name=name, weight_decay=0.01), num_steps=10)
+    config = base_config()
+    config.optimizer.update(dict(name=name, weight_decay=0.01))
+    optimizer = mixloop.build_optimizer(config)
     assert type(optimizer) is cls
     assert optimizer.weight_decay == pytest.approx(0.01)
     if name == "momentum":
         assert optimizer.momentum == pytest.approx(0.9)
     np.testing.assert_allclose(float(optimizer.learning_rate), 1e-3, rtol=1e-6)
+
+
+def test_an_objective_every_5_steps_gets_its_schedule_over_its_own_updates():
+    """A cosine schedule over 100 steps reaches zero after the 20 updates of an objective updated
+    every 5 steps: its iterations advance on those only."""
+    config = base_config()
+    config.train.num_steps = 100
+    config.optimizer.update(dict(learning_rate=1.0, schedule="cosine"))
+    every_5 = mixloop.build_optimizer(config, every_steps=5)
+    for iterations, expected in [(10, 0.5), (20, 0.0)]:
+        every_5.iterations.assign(iterations)
+        assert float(every_5.learning_rate) == pytest.approx(expected, abs=1e-6)

@@ -13,6 +13,7 @@ import re
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import mixloop
@@ -22,8 +23,8 @@ from test_research import events
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 SECTION = "## Research recipes"
-RECIPES = ("train-metric", "objectives", "ema", "ema-weights", "actions", "extra-state", "schedule",
-           "frozen")
+RECIPES = ("train-metric", "objectives", "cadence", "gradient-penalty", "batch-loss", "ema",
+           "ema-weights", "actions", "extra-state", "noise", "schedule", "frozen")
 _RECIPE = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```(?P<language>\w+)\n(?P<code>.*?)^```",
                      re.S | re.M)
 
@@ -61,20 +62,26 @@ class MyTrainer(tiny_experiment.TinyTrainer):
 
 
 class TinyGAN(keras.Model):
-    """A generator (4 noise values -> 8 "pixels") and a discriminator (8 -> 1 logit)."""
+    """A generator (4 noise values -> 8 "pixels") and a discriminator (8 -> 16 -> 1 logit); it also
+    returns the samples and, per example, a random mix in [0, 1] (a gradient penalty's)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.generator = keras.Sequential(
             [keras.Input((4,)), keras.layers.Dense(8, activation="tanh")], name="generator")
-        self.discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)],
-                                              name="discriminator")
+        self.discriminator = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)],
+            name="discriminator")
+        self.seed_generator = keras.random.SeedGenerator(0)
 
     def call(self, inputs, training=False):
         real, noise = inputs
         fake = self.generator(noise, training=training)
+        # In float32 under every policy: the same draws in float16 and float32 runs.
+        mix = keras.random.uniform((keras.ops.shape(real)[0], 1), dtype="float32",
+                                   seed=self.seed_generator)
         return {"real_logits": self.discriminator(real, training=training),
-                "fake_logits": self.discriminator(fake, training=training)}
+                "fake_logits": self.discriminator(fake, training=training), "fake": fake, "mix": mix}
 
 
 class MyGANTrainer(MyTrainer):
@@ -94,6 +101,17 @@ class MyGANTrainer(MyTrainer):
 
     def model_inputs(self, batch):
         return batch
+
+
+class MyTwoViewTrainer(MyTrainer):
+    """The batch-loss recipe's `MyTrainer`: the two halves of each example's features are its two
+    views, one encoder projects each."""
+
+    def build_model(self):
+        inputs = keras.Input((8,))
+        encoder = keras.Sequential([keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(4)],
+                                   name="encoder")
+        return keras.Model(inputs, {"z1": encoder(inputs[:, :4]), "z2": encoder(inputs[:, 4:])})
 
 
 def overflowing(trainer_class: type, objective: str = "", at_update: int = 3) -> type:
@@ -171,6 +189,73 @@ def test_objectives_train_apart_with_their_own_scales_skips_and_tags(tmp_path):
         assert not np.array_equal(layer.get_weights()[0], before[0])
 
 
+def test_the_generator_every_5_steps_runs_at_steps_5_and_10_only(tmp_path):
+    gan_trainer = run_recipe("objectives", MyTrainer=MyGANTrainer)["GANTrainer"]
+    trainer_class = run_recipe("cadence", GANTrainer=gan_trainer)["WGANTrainer"]
+    trainer = make(trainer_class, tmp_path, **{"precision.policy": "mixed_float16",
+                                               "optimizer.schedule": "cosine"})
+    generator = trainer.model.generator
+    initial = generator.get_weights()
+    trainer.train()
+    objectives = trainer.objectives
+    assert int(objectives["generator"].optimizer.iterations.numpy()) == 2
+    assert int(objectives["discriminator"].optimizer.iterations.numpy()) == 10
+    assert not np.array_equal(generator.get_weights()[0], initial[0])
+    train = events(str(tmp_path / "train"))
+    assert train["updates/generator"] == [(5, 1.0), (10, 1.0)]
+    assert "updates/discriminator" not in train
+    # The generator's cosine schedule runs over its own 10 // 5 = 2 updates: half-way at step 5
+    # after 1 update, as the discriminator's after 5 of its 10.
+    halfway = values(train, "learning_rate/discriminator")[0]
+    assert halfway == pytest.approx(0.5 * trainer.config.optimizer.learning_rate)
+    assert values(train, "learning_rate/generator") == pytest.approx([halfway, 0.0], abs=1e-9)
+
+
+def test_a_batch_loss_under_accumulation_trains_as_the_whole_batch_does(tmp_path):
+    trainer_class = run_recipe("batch-loss", MyTrainer=MyTwoViewTrainer)["ContrastiveTrainer"]
+    runs = {}
+    for k, batch_loss in [(1, False), (4, True), (4, False)]:
+        trainer = make(trainer_class, tmp_path / f"{k}-{batch_loss}", **{
+            "train.accumulation_steps": k, "train.batch_loss": batch_loss, "train.num_steps": 3,
+            "train.log_every_steps": 1, "precision.policy": "mixed_float16",
+            "optimizer.name": "sgd", "optimizer.learning_rate": 0.1})
+        trainer.train()
+        runs[k, batch_loss] = (trainer.model.get_weights(),
+                               values(events(str(tmp_path / f"{k}-{batch_loss}" / "train")), "loss"))
+    whole, two_passes, plain = runs[1, False], runs[4, True], runs[4, False]
+    # float16 forwards of 8 rows against 32: the same to float16 rounding, in the loss and weights.
+    np.testing.assert_allclose(two_passes[1], whole[1], rtol=2e-3)
+    for a, b in zip(two_passes[0], whole[0]):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-4)
+    # From the same initial weights, each micro-batch of 8 pairs picks among 15 candidates, not 63:
+    # an easier task, a loss about log(63/15) = 1.4 nats lower (measured 1.6).
+    assert plain[1][0] < whole[1][0] - 1.0
+
+
+def test_the_gradient_penalty_trains_in_float16_as_in_float32(tmp_path):
+    gan_trainer = run_recipe("objectives", MyTrainer=MyGANTrainer)["GANTrainer"]
+    wgan_trainer = run_recipe("cadence", GANTrainer=gan_trainer)["WGANTrainer"]
+    trainer_class = run_recipe("gradient-penalty", WGANTrainer=wgan_trainer)["WGANGPTrainer"]
+    critics = {}
+    for policy in ("float32", "mixed_float16"):
+        # The penalty's second-order backward is larger than a mean loss's: at the default 2**15
+        # the critic's first two updates overflow and are skipped while its scale backs off.
+        trainer = make(trainer_class, tmp_path / policy, **{"precision.policy": policy,
+                                                            "precision.initial_scale": 2.0**10,
+                                                            "optimizer.name": "sgd",
+                                                            "optimizer.learning_rate": 0.05,
+                                                            "train.num_steps": 1})
+        initial = trainer.model.discriminator.get_weights()
+        trainer.train()
+        assert trainer.state.skipped_totals() == {"generator": 0, "discriminator": 0}
+        critics[policy] = [after - before for after, before
+                           in zip(trainer.model.discriminator.get_weights(), initial)]
+    # The critic's update, the penalty's second-order term included, agrees to float16's rounding.
+    largest = max(np.max(np.abs(change)) for change in critics["float32"])
+    for change16, change32 in zip(critics["mixed_float16"], critics["float32"]):
+        np.testing.assert_allclose(change16, change32, rtol=0, atol=1e-2 * largest)
+
+
 def test_ema_is_evaluated_exported_checkpointed_and_swapped_in(tmp_path):
     language, command, _ = recipes()["ema"]
     assert language == "sh"
@@ -243,6 +328,22 @@ def test_extra_state_survives_a_stop_and_resume(tmp_path):
     again = make(trainer_class, tmp_path, **{"train.num_steps": 20})
     again.restore()
     assert int(again.curriculum.numpy()) == 4
+
+
+def test_noise_at_eval_leaves_a_stopped_and_resumed_run_bit_identical(tmp_path):
+    trainer_class = run_recipe("noise", MyTrainer=MyTrainer)["NoisyTrainer"]
+    straight = make(trainer_class, tmp_path / "straight", **{"eval.every_steps": 10})
+    straight_metrics = straight.train()
+    make(trainer_class, tmp_path / "resumed", **{"train.num_steps": 5}).train()  # Evaluates at 5.
+    resumed = make(trainer_class, tmp_path / "resumed", **{"eval.every_steps": 10})
+    resumed_metrics = resumed.train()
+    for a, b in zip(straight.model.variables, resumed.model.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert resumed_metrics["eval_loss"] == straight_metrics["eval_loss"]
+    state = [v for v in straight.model.variables if "seed_generator" in v.path]
+    # Drawn once per micro-batch of the 10 updates, not at the evals.
+    assert len(state) == 1
+    assert int(state[0].numpy()[1]) == 10 * straight.config.train.accumulation_steps
 
 
 def test_schedule_advances_once_per_applied_update(tmp_path):

@@ -88,7 +88,7 @@ def make(workdir, trainer_class=TwoHeadTrainer, **overrides):
 def events(directory):
     """{tag: [(step, value)]} for scalars, and {tag: [(step, text)]} for text summaries."""
     found = {}
-    for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+    for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 array = tf.make_ndarray(value.tensor)
@@ -170,6 +170,102 @@ def test_ema_weights_are_evaluated_exported_and_resumed(tmp_path, distribution):
     again = make(tmp_path / "ema", tiny_experiment.TinyTrainer, **overrides)
     again.restore()
     np.testing.assert_array_equal(again.train_step.ema["model"].averages[0].numpy(), averages[0].numpy())
+
+
+class CadencedTrainer(TwoHeadTrainer):
+    """TwoHeadTrainer whose objective b is updated every 3rd step only: of its overflowing steps
+    3, 4 and 5, only step 3 is one of b's."""
+
+    def build_objectives(self):
+        objectives = super().build_objectives()
+        b = objectives["b"]
+        return {**objectives, "b": mixloop.Objective(b.layer, b.optimizer, every_steps=3)}
+
+
+def optimizer_state(trainer):
+    return {name: [v.numpy() for v in objective.optimizer.variables]
+            for name, objective in trainer.objectives.items()}
+
+
+@pytest.mark.parametrize("distribution", ["auto", "mirrored"])
+def test_an_objective_every_3_steps_is_reported_and_resumes_bit_identical(tmp_path, distribution):
+    straight = make(tmp_path / "straight", CadencedTrainer, distribution=distribution,
+                    **{"train.num_steps": 20})
+    straight.train()
+    train = events(str(tmp_path / "straight" / "train"))
+    assert train["updates/b"] == [(10, 3.0), (20, 3.0)]  # Steps 3, 6, 9 and 12, 15, 18.
+    assert "updates/a" not in train and "updates" not in train
+    assert [value for _, value in train["skipped_total/b"]] == [1.0, 1.0]  # Step 3 only.
+    assert train["loss_scale/b"][-1][1] == 2.0**14
+    assert straight.objectives["b"].optimizer.iterations.numpy() == 6 - 1
+    assert straight.objectives["a"].optimizer.iterations.numpy() == 20
+
+    make(tmp_path / "resumed", CadencedTrainer, distribution=distribution,
+         **{"train.num_steps": 10}).train()  # Stops between b's steps 9 and 12.
+    resumed = make(tmp_path / "resumed", CadencedTrainer, distribution=distribution,
+                   **{"train.num_steps": 20})
+    resumed.train()
+    assert events(str(tmp_path / "resumed" / "train"))["updates/b"] == [(10, 3.0), (20, 3.0)]
+    for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for name, values in optimizer_state(straight).items():
+        for a, b in zip(values, optimizer_state(resumed)[name]):
+            np.testing.assert_array_equal(a, b)
+        assert (resumed.objectives[name].loss_scale.scale.numpy()
+                == straight.objectives[name].loss_scale.scale.numpy())
+    assert resumed.state.skipped_totals() == straight.state.skipped_totals() == {"a": 0, "b": 1}
+
+
+class Noise(keras.layers.Layer):
+    """Adds Gaussian noise in every call, eval's (`training=False`) too, as a VAE samples its latent:
+    drawn from a `SeedGenerator` of its own, a random state the checkpoint holds."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def call(self, inputs):
+        return inputs + 0.5 * keras.random.normal(keras.ops.shape(inputs), dtype=self.compute_dtype,
+                                                  seed=self.seed_generator)
+
+
+class NoisyEvalTrainer(tiny_experiment.TinyTrainer):
+    """TinyTrainer's data through a model with `Noise` after its hidden layer, and an eval-time
+    action that runs the model once more (drawing noise too)."""
+
+    def build_model(self):
+        inputs = keras.Input((8,))
+        hidden = Noise(name="noise")(keras.layers.Dense(16, activation="relu")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(3, name="logits")(hidden))
+
+    def actions(self):
+        return [mixloop.Action(self.run_the_model, at_eval=True)]
+
+    def run_the_model(self, step):
+        self.model(next(iter(self.eval_data))[0], training=False)
+
+
+@pytest.mark.parametrize("distribution", ["auto", "mirrored"])
+def test_eval_that_draws_noise_leaves_a_stopped_and_resumed_run_bit_identical(tmp_path, distribution):
+    overrides = {"train.num_steps": 20, "eval.every_steps": 10, "distribution": distribution}
+    straight = make(tmp_path / "straight", NoisyEvalTrainer, **overrides)
+    straight_metrics = straight.train()
+    # Stopped at 15, where the end of the run evaluates (and the action runs), then resumed.
+    make(tmp_path / "resumed", NoisyEvalTrainer, **{**overrides, "train.num_steps": 15}).train()
+    resumed = make(tmp_path / "resumed", NoisyEvalTrainer, **overrides)
+    resumed_metrics = resumed.train()
+    for a, b in zip(straight.model.variables, resumed.model.variables):  # The seed states too.
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    assert resumed_metrics["eval_loss"] == straight_metrics["eval_loss"]
+    assert resumed_metrics["eval_accuracy"] == straight_metrics["eval_accuracy"]
+    # Eval does draw: outside the controller's `random_states_kept` it moves the seed state.
+    seed_state = straight.model.get_layer("noise").seed_generator.state
+    before = seed_state.numpy()
+    straight.evaluate()
+    assert not np.array_equal(before, seed_state.numpy())
+    with straight.random_states_kept():
+        straight.evaluate()
+    np.testing.assert_array_equal(before + [0, 2], seed_state.numpy())
 
 
 class WeightedLossTrainer(tiny_experiment.TinyTrainer):

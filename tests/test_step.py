@@ -597,17 +597,20 @@ def test_a_per_example_loss_vector_is_a_one_line_contract_error():
 # XLA compiles the micro-batch loop's body, not the loop (TrainStep._compile): openxla's CPU backend
 # runs a convolution's backward pass many times slower inside a compiled while loop.
 
-@pytest.mark.parametrize("num_micro_batches", [1, 4])
-def test_with_xla_no_while_loop_is_inside_a_compiled_function(num_micro_batches):
-    step = make_step(accumulation_steps=num_micro_batches, jit_compile=True)
+@pytest.mark.parametrize("num_micro_batches, batch_loss", [(1, False), (4, False), (4, True)])
+def test_with_xla_no_while_loop_is_inside_a_compiled_function(num_micro_batches, batch_loss):
+    step = make_step(accumulation_steps=num_micro_batches, jit_compile=True, batch_loss=batch_loss)
     batch = regression_batch()
     step(batch)
     step_graph = step._compiled.get_concrete_function(batch).graph
     compiled = [step_graph] if step._compiled._jit_compile else []
     if num_micro_batches > 1:
-        body = step._add_micro_batch_fn
-        assert body._jit_compile and not step._compiled._jit_compile
-        compiled += [concrete.graph for concrete in body._list_all_concrete_functions_for_serialization()]
+        for name in ("forward", "add_backward") if batch_loss else ("add_micro_batch",):
+            body = step._body(name)
+            assert body._jit_compile and not step._compiled._jit_compile
+            concrete = body._list_all_concrete_functions_for_serialization()
+            assert concrete, name  # Traced: the loop runs it.
+            compiled += [function.graph for function in concrete]
     assert compiled  # Something compiles with XLA,
     for graph in compiled:  # and none of it holds a loop.
         op_types = {op.type for op in graph.get_operations()}

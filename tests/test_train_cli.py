@@ -362,3 +362,37 @@ def test_deterministic_with_xla_on_a_max_pool_model_is_one_line_naming_jit_compi
                       "have a deterministic XLA implementation. (the step is compiled with XLA; "
                       "--config.jit_compile=False runs it without)"]
     assert "Traceback" not in result.stderr
+
+
+def test_a_loaded_teacher_is_named_in_the_placement_line_with_why_it_computes_in_float32(tmp_path):
+    import keras
+
+    inputs = keras.Input((8,))  # Built under float32: the .keras file saves each layer's policy.
+    teacher = keras.Model(inputs, keras.layers.Dense(4, name="scores")(inputs), name="teacher")
+    teacher.save(tmp_path / "teacher.keras")
+    config = os.path.join(TESTS_DIR, "loaded_model_experiment.py")
+    result = run_cli(f"--config={config}", f"--workdir={tmp_path / 'run'}",
+                     f"--config.model.teacher_path={tmp_path / 'teacher.keras'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    [placement] = [line.split("] ", 1)[1] for line in result.stderr.splitlines()
+                   if "Layers computing in float32" in line]
+    assert placement == ("Layers computing in float32, the rest in float16: 1 by named logits "
+                         "(logits); 1 by its own dtype policy (set in its code, or saved with a "
+                         "loaded model) (teacher/scores)")
+
+
+def test_an_export_without_get_config_is_one_whole_line_saying_what_to_add(tmp_path):
+    config = os.path.join(TESTS_DIR, "loaded_model_experiment.py")
+    result = run_cli(f"--config={config}:subclassed", f"--workdir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    [warning] = [line.split("] ", 1)[1] for line in result.stderr.splitlines()
+                 if "Could not export" in line]
+    assert warning == (
+        "Could not export the model (the checkpoints hold the trained weights): "
+        "NotImplementedError: Object TwoLayers was created by passing non-serializable argument "
+        "values in `__init__()`, and therefore the object must override `get_config()` in order "
+        "to be serializable. Please implement `get_config()`. Add to TwoLayers a get_config() that "
+        "returns its __init__ arguments, e.g. `return {**super().get_config(), \"width\": "
+        "self.width}`, and register it with @keras.saving.register_keras_serializable() (as "
+        "gan_digits' GAN).")
+    assert not (tmp_path / "model.keras").exists()

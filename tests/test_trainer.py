@@ -145,7 +145,7 @@ def test_a_short_default_run_compiles_with_xla_on_one_device_and_without_on_two(
     one.train()
     two.train()
     # Two micro-batches: with XLA, the loop's body is what XLA compiles.
-    assert one.jit_compile and one.train_step._add_micro_batch_fn._jit_compile
+    assert one.jit_compile and one.train_step._body("add_micro_batch")._jit_compile
     assert not two.jit_compile and not two.train_step._compiled._jit_compile
 
 

@@ -40,6 +40,9 @@ FLOAT32_LAYER_TYPES: tuple[type, ...] = (keras.layers.Softmax, keras.layers.Unit
 # A layer of this name produces the logits the loss reads (the convention experiments follow): in
 # bfloat16 a logit of 10 would be rounded by up to 0.04 before the loss sees it.
 LOGITS_LAYER_NAME = "logits"
+# Why a layer computes in float32 when the run did not place it there: it was built with a dtype
+# policy of its own (`dtype="float32"`), or loaded from a `.keras` file, which saves each layer's.
+OWN_POLICY = "its own dtype policy (set in its code, or saved with a loaded model)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +50,8 @@ class Float32Layer:
     """A layer switched to float32 compute, and why."""
 
     path: str
-    # "Softmax (default type)", "named logits", "precision.float32_layers" or, from the automatic
-    # placement, "the probe".
+    # "Softmax (default type)", "named logits", "precision.float32_layers", from the automatic
+    # placement "the probe", or `OWN_POLICY` for a layer the placement found in float32.
     reason: str
 
 
@@ -155,6 +158,25 @@ def _switch_to_float32(model: keras.Model, policy: Policy, layers: dict[str, ker
         if not keras_adapter.output_layers(parent):
             _hand_back(layer, policy)
     return kept
+
+
+def own_float32_layers(model: keras.Model, policy: Policy,
+                       kept: Sequence[Float32Layer]) -> list[Float32Layer]:
+    """The layers of `model` that compute in float32 under a mixed `policy` by a dtype policy of
+    their own (reason `OWN_POLICY`), outermost only, leaving out the `kept` ones and their
+    sublayers: a layer built with `dtype="float32"`, and every layer of a model loaded with
+    `keras.models.load_model` (a `.keras` file saves each layer's dtype policy; mixloop's exports
+    are float32). The placement leaves them as they are."""
+    if not policy.is_mixed:
+        return []
+    inside = [layer.path for layer in kept]
+    found = []
+    for path, layer in named_layers(model).items():
+        if layer.compute_dtype == "float32" and not any(
+                path == outer or path.startswith(outer + "/") for outer in inside):
+            found.append(Float32Layer(path, OWN_POLICY))
+            inside.append(path)
+    return found
 
 
 def describe_placement(kept: list[Float32Layer], policy: Policy, max_paths: int = 6) -> str:

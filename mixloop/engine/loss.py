@@ -87,6 +87,14 @@ def as_losses(output: Any, objective_names: Sequence[str]) -> dict[str, Loss]:
     return losses
 
 
+def per_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
+    """`value / weight` (0 for a weight of 0); `value` itself for the weight 1 of a plain mean loss.
+
+    The loss scale multiplies a micro-batch's loss per weight (its mean), whatever the loss's form.
+    """
+    return value if tf.get_static_value(weight) == 1.0 else tf.math.divide_no_nan(value, weight)
+
+
 def _float32_scalar(value: Any, what: str) -> tf.Tensor:
     try:
         tensor = tf.cast(value, tf.float32)

@@ -1,10 +1,12 @@
-"""An objective: one loss, the variables it trains, the optimizer that trains them and its own loss scale.
+"""An objective: one loss, the variables it trains, the optimizer that trains them, its own loss
+scale and how often it is updated.
 
 A model with one loss has one objective, the whole model (named `model`). A GAN has two, the
 generator and the discriminator, whose losses come from one forward pass. Each objective's update
 is applied or skipped on its own (PyTorch's per-optimizer skip) and, in float16, its loss scale
 backs off on its own overflows only (apex's `num_losses`): a generator overflow does not throw away
-the discriminator's update.
+the discriminator's update. An objective with `every_steps=N` (a WGAN's generator, updated once per
+N critic updates) is updated on steps N, 2N, ... only.
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ class Objective:
       optimizer: the Keras optimizer that applies this objective's updates.
       loss_scale: its loss scale; None takes the one `config.precision` describes (the Trainer) or
         no scaling (a bare `TrainStep`).
+      every_steps: updated on the steps that are multiples of it only (counting the step number
+        after the update: 3 updates it at steps 3, 6, 9, ...). On the other steps its loss is still
+        computed from the shared forward pass (and reported), but its gradient is not: its
+        variables, optimizer (iterations, slots, schedule), loss scale, EMA and skip counters stay
+        as they are, and its layer's non-trainable state keeps what the forward pass did to it.
     """
 
     layer: keras.layers.Layer
     optimizer: keras.optimizers.Optimizer
     loss_scale: Optional[LossScale] = None
+    every_steps: int = 1
 
     @property
     def variables(self) -> list:
@@ -54,7 +62,8 @@ def check_objectives(objectives: Mapping[str, Objective]) -> None:
     Raises:
       UserError: for no objective, a name that is not an identifier (names become TensorBoard tags
         and variable names), something that is not an `Objective`, one optimizer in two, an
-        objective with no trainable variable, or a variable two objectives train.
+        objective with no trainable variable, a variable two objectives train, or an
+        `every_steps` that is not a whole number of at least 1.
     """
     if not objectives:
         raise UserError("build_objectives() returned no objective; return at least one")
@@ -66,6 +75,10 @@ def check_objectives(objectives: Mapping[str, Objective]) -> None:
         if not isinstance(objective, Objective):
             raise UserError(f"objective {name!r} is a {type(objective).__name__}, not a "
                             f"mixloop.Objective(layer, optimizer)")
+        every = objective.every_steps
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise UserError(f"objective {name!r} has every_steps={every!r}; it must be a whole "
+                            f"number of at least 1 (1: updated on every step)")
         shared = optimizers.setdefault(id(objective.optimizer), name)
         if shared != name:
             raise UserError(f"objectives {shared!r} and {name!r} share one optimizer instance; give "

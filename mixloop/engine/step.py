@@ -6,16 +6,23 @@ The order of operations, once per call (a model with one loss has one objective)
     for each micro-batch:
         cast floating inputs to the compute dtype; forward in the compute dtype, once
         cast outputs to float32; each objective's loss in float32, as (loss_sum, weight) and metrics
-        per objective: scale its loss per weight by its own scale; differentiate with respect to
-            its own variables; unscale the gradients into float32 and weight them
+        per objective due at this step (`every_steps`; the others get zeros, no backward):
+            scale its loss per weight by its own scale; differentiate with respect to its own
+            variables; unscale the gradients into float32 and weight them
         add them, the losses, the weights and the weighted metrics to the accumulators
     sum everything over the replicas in one all-reduce
-    per objective:
+    per objective due at this step:
         average its gradients by its total weight; check finiteness once; take the global norm;
             clip the true (unscaled) gradient
         apply the update to its float32 master weights (and advance its EMA), or skip it and roll
             back its layer's non-trainable state
-        adjust its loss scale; report float32/bool metrics
+        adjust its loss scale
+    count the step; report float32/bool metrics
+
+With `batch_loss=True`, for losses that couple a batch's examples (contrastive ones), the loop
+over micro-batches becomes GradCache's two passes (engine/batch_loss.py): the loss is computed
+once, on the outputs of the whole global batch, and each micro-batch's backward starts from its
+share of that loss's output gradients; the rest is the same.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from typing import Any, Callable, Mapping, Optional
 import keras
 import tensorflow as tf
 
+from mixloop.engine import batch_loss as global_batch
 from mixloop.engine import keras_adapter
 from mixloop.engine.ema import ExponentialMovingAverage
-from mixloop.engine.loss import Loss, LossContractError, as_losses
+from mixloop.engine.loss import Loss, LossContractError, as_losses, per_weight
 from mixloop.engine.loss_scale import NoLossScale, LossScale, leaves_finite
 from mixloop.engine.objective import SINGLE, Objective, check_objectives, with_loss_scales
 from mixloop.engine.policy import Policy
@@ -59,6 +67,11 @@ def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
     return tf.nest.map_structure(split, batch)
 
 
+def micro_batch_at(micro_batches: Batch, index: tf.Tensor) -> Batch:
+    """Micro-batch `index` of what `split_micro_batches` made."""
+    return tf.nest.map_structure(lambda t: t[index], micro_batches)
+
+
 def forward(model: keras.Model, policy: Policy, inputs: Any, *, training: bool) -> Any:
     """The model on `inputs` in `policy`: floating inputs cast to the compute dtype, floating outputs
     to the output dtype (float32), which is what a loss reads. The step, eval, the doctor and the
@@ -80,11 +93,24 @@ class TrainStep:
     NaN in the batch's floating model inputs). Each objective's report is a dict of scalars: `loss`
     (float32, unscaled, averaged by weight over the micro-batches), `loss_scale` (the scale used),
     `grads_finite` (bool), `grad_norm` (float32, of the unscaled averaged gradient before clipping),
-    `applied` (bool), `weight` (the total loss weight) and `metrics` (the train metrics its
-    `mixloop.Loss` carries, averaged by weight).
+    `ran` (bool: the objective was due at this step, see `Objective.every_steps`), `applied` (bool),
+    `weight` (the total loss weight) and `metrics` (the train metrics its `mixloop.Loss` carries,
+    averaged by weight).
+
+    Each call adds one to `global_step` (an int64 variable: the Trainer's, or one of the step's
+    own), whose value after the update decides which objectives are due.
 
     With `ema_decay` > 0, each applied update also advances an `ExponentialMovingAverage` of that
     objective's weights (`self.ema[name]`).
+
+    With `batch_loss=True`, `loss_fn` sees the outputs of the whole global batch (every micro-batch
+    and replica; each output's first dimension must be the batch) and the whole batch, and the
+    gradient is that loss's, exactly, with the memory of `accumulation_steps` micro-batches:
+    GradCache's two passes (engine/batch_loss.py), one more forward pass per micro-batch. Random
+    draws from Keras `SeedGenerator`s and the model's statistics (BatchNorm) are put back between
+    the passes, so the second pass draws the noise the first drew and the statistics move once per
+    micro-batch; a stateful `tf.random` op outside a `SeedGenerator` would draw anew. Without it,
+    `loss_fn` sees one micro-batch of one replica at a time.
 
     A non-finite gradient skips that objective's update through a graph conditional: its variables,
     its layer's non-trainable state (e.g. BatchNorm statistics), its optimizer's slots and
@@ -106,6 +132,8 @@ class TrainStep:
         jit_compile: bool = False,
         input_fn: Callable[[Batch], Any] = default_input_fn,
         ema_decay: float = 0.0,
+        global_step: Optional[tf.Variable] = None,
+        batch_loss: bool = False,
     ):
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps!r}")
@@ -124,6 +152,13 @@ class TrainStep:
         self.clip_global_norm = clip_global_norm
         self.input_fn = input_fn
         self.strategy = tf.distribute.get_strategy()
+        # The two passes only where the loss would otherwise see part of the batch.
+        self.two_pass = batch_loss and (self.accumulation_steps > 1
+                                        or self.strategy.num_replicas_in_sync > 1)
+        # Steps taken, skipped ones included; checkpointed by its owner, so a resumed run finds
+        # each objective's cadence where it left it.
+        self.global_step = global_step if global_step is not None else tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="global_step")
         self._traced_metric_names: Optional[dict[str, list[str]]] = None
         # Per objective and trainable variable: non-finite in that objective's last skipped update.
         self.nonfinite_gradients = {name: tf.Variable(
@@ -151,7 +186,7 @@ class TrainStep:
         """Forgets the traced step in both compile modes, so the next call traces it anew: after a
         layer's dtype policy changed (the automatic placement moving a layer to float32), as
         tracing reads it."""
-        self._compiled_by_mode: dict[bool, tuple[Callable, Callable]] = {}
+        self._compiled_by_mode: dict[bool, tuple[Callable, dict[str, Callable]]] = {}
 
     @property
     def _compiled(self) -> Callable:
@@ -161,24 +196,27 @@ class TrainStep:
             self._compiled_by_mode[self.jit_compile] = self._compile(self.jit_compile)
         return self._compiled_by_mode[self.jit_compile][0]
 
-    @property
-    def _add_micro_batch_fn(self) -> Callable:
+    def _body(self, name: str) -> Callable:
+        """The micro-batch loop body `name` ("add_micro_batch", or the two passes' "forward" and
+        "add_backward") as the current mode compiles it."""
         self._compiled  # Made together.
-        return self._compiled_by_mode[self.jit_compile][1]
+        return self._compiled_by_mode[self.jit_compile][1][name]
 
-    def _compile(self, jit_compile: bool) -> tuple[Callable, Callable]:
-        """(the step, the body of its micro-batch loop) as `tf.function`s, with or without XLA.
+    def _compile(self, jit_compile: bool) -> tuple[Callable, dict[str, Callable]]:
+        """(the step, the bodies of its micro-batch loops) as `tf.function`s, with or without XLA.
 
-        With XLA and several micro-batches, the micro-batch loop stays in the graph and XLA
-        compiles its body (the forward, backward and accumulation of one micro-batch) on its own:
-        XLA on a CPU runs a convolution's backward pass 20-35x slower inside a compiled while loop
-        than outside one (openxla's CPU backend, as jax-ml/jax#12868 reports for the forward), which
-        made a small GAN's step with 2 micro-batches 12x slower than with one.
+        With XLA and several micro-batches, the micro-batch loops stay in the graph and XLA
+        compiles their bodies (the forward, backward and accumulation of one micro-batch) on their
+        own: XLA on a CPU runs a convolution's backward pass 20-35x slower inside a compiled while
+        loop than outside one (openxla's CPU backend, as jax-ml/jax#12868 reports for the forward),
+        which made a small GAN's step with 2 micro-batches 12x slower than with one.
         """
         loop_in_graph = jit_compile and self.accumulation_steps > 1
+        bodies = {"add_micro_batch": self._add_micro_batch, "forward": self._forward_micro_batch,
+                  "add_backward": self._add_backward}
         return (tf.function(self.step, jit_compile=jit_compile and not loop_in_graph),
-                tf.function(self._add_micro_batch, jit_compile=True) if loop_in_graph
-                else self._add_micro_batch)
+                {name: tf.function(body, jit_compile=True) if loop_in_graph else body
+                 for name, body in bodies.items()})
 
     def __call__(self, batch: Batch) -> dict[str, Any]:
         """Runs the compiled step on one global batch.
@@ -201,25 +239,42 @@ class TrainStep:
         scales = {name: objective.loss_scale.scale for name, objective in self.objectives.items()}
         saved_states = {name: [tf.identity(v) for v in objective.state]
                         for name, objective in self.objectives.items()}
-        grads, reports = self.strategy.run(self._replica_gradients, args=(batch,))
+        step_number = tf.convert_to_tensor(self.global_step) + 1  # The step this update makes.
+        grads, reports = self.strategy.run(self._replica_gradients, args=(batch, step_number))
         reports = tf.nest.map_structure(self._first_replica, reports)
+        due = self._due(step_number)
         objective_reports = {}
         for name, objective in self.objectives.items():
             report = dict(reports["objectives"][name])
             finite_per_variable = report.pop("finite_per_variable")
-            applied = tf.cond(
-                report["grads_finite"],
-                lambda: self._apply(name, grads[name]),
-                lambda: self._roll_back(name, saved_states[name], finite_per_variable),
-            )
-            objective.loss_scale.update(report["grads_finite"])
-            objective_reports[name] = {**report, "loss_scale": scales[name], "applied": applied}
+
+            def update():
+                applied = tf.cond(
+                    report["grads_finite"],
+                    lambda: self._apply(name, grads[name]),
+                    lambda: self._roll_back(name, saved_states[name], finite_per_variable),
+                )
+                objective.loss_scale.update(report["grads_finite"])
+                return applied
+
+            objective_reports[name] = {**report, "loss_scale": scales[name],
+                                       "ran": tf.constant(True) if due[name] is None else due[name],
+                                       "applied": _when(due[name], update, lambda: tf.constant(False))}
+        self.global_step.assign_add(1)
         return {"objectives": objective_reports, "inputs_finite": reports["inputs_finite"]}
 
-    def _replica_gradients(self, batch: Batch) -> tuple[dict, dict[str, Any]]:
+    def _due(self, step_number: tf.Tensor) -> dict[str, Optional[tf.Tensor]]:
+        """Per objective, whether update `step_number` is one of its (a bool tensor), or None for
+        an objective updated on every step (no conditional in the graph)."""
+        return {name: None if objective.every_steps == 1
+                else tf.equal(step_number % objective.every_steps, 0)
+                for name, objective in self.objectives.items()}
+
+    def _replica_gradients(self, batch: Batch, step_number: tf.Tensor) -> tuple[dict, dict[str, Any]]:
         """One replica's accumulated gradients, summed over replicas once, averaged, checked, clipped."""
         nonfinite_inputs = _count_nonfinite_floats(self.input_fn(batch))
-        grads, sums = self._accumulate(batch)
+        accumulate = self._accumulate_two_passes if self.two_pass else self._accumulate
+        grads, sums = accumulate(batch, step_number)
         # The only communication of the update: every objective's gradients and sums, and the input
         # check, in one all-reduce.
         grads, sums, nonfinite_inputs = _sum_over_replicas((grads, sums, nonfinite_inputs))
@@ -246,29 +301,115 @@ class TrainStep:
         """The value of the first local replica (all replicas hold the same reduced metrics)."""
         return self.strategy.experimental_local_results(value)[0]
 
-    def _accumulate(self, batch: Batch) -> tuple[dict, dict[str, Any]]:
+    def _accumulate(self, batch: Batch, step_number: tf.Tensor) -> tuple[dict, dict[str, Any]]:
         """Sums each objective's unscaled float32 gradients and weighted sums over the micro-batches."""
         if self.accumulation_steps == 1:
-            return self._micro_step(batch)
+            return self._micro_step(batch, step_number)
         micro_batches = split_micro_batches(batch, self.accumulation_steps)
 
         def body(i, accumulated):
-            return i + 1, self._add_micro_batch_fn(micro_batches, i, accumulated)
+            return i + 1, self._body("add_micro_batch")(micro_batches, i, step_number, accumulated)
 
         names = self.metric_names(tf.nest.map_structure(
             lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro_batches))
-        zeros = ({name: [tf.zeros(v.shape, tf.float32) for v in objective.variables]
-                  for name, objective in self.objectives.items()},
+        zeros = (self._zero_gradients(),
                  {name: _weighted_sums(Loss(0.0, 0.0, {metric: 0.0 for metric in names[name]}))
                   for name in self.objectives})
         _, (grads, sums) = tf.while_loop(
             lambda i, *_: i < self.accumulation_steps, body, (tf.constant(0), zeros))
         return grads, sums
 
-    def _add_micro_batch(self, micro_batches: Batch, index: tf.Tensor, accumulated: tuple) -> tuple:
+    def _accumulate_two_passes(self, batch: Batch, step_number: tf.Tensor) -> tuple[dict, dict[str, Any]]:
+        """What `_accumulate` returns, for the loss of the whole global batch: GradCache's two passes
+        (engine/batch_loss.py). Every replica computes that loss alike; the first one reports it."""
+        micro_batches = split_micro_batches(batch, self.accumulation_steps)
+        state = self.model.non_trainable_variables  # Seed states, BatchNorm statistics.
+        saved = [tf.identity(variable) for variable in state]
+        outputs = self._concatenated(lambda i: self._body("forward")(micro_batches, i))
+        for variable, value in zip(state, saved):
+            variable.assign(value)  # The second pass draws the first's noise; statistics move once.
+        losses, output_grads = global_batch.loss_and_output_gradients(
+            self.loss_fn, global_batch.gather_replicas(outputs), global_batch.gather_replicas(batch),
+            list(self.objectives))
+        num_rows = tf.shape(tf.nest.flatten(batch)[0])[0]
+        output_grads = split_micro_batches(global_batch.replica_rows(output_grads, num_rows),
+                                           self.accumulation_steps)
+
+        def body(i, accumulated):
+            return i + 1, self._body("add_backward")(micro_batches, output_grads, i, step_number,
+                                                     accumulated)
+
+        _, grads = tf.while_loop(lambda i, *_: i < self.accumulation_steps, body,
+                                 (tf.constant(0), self._zero_gradients()))
+        grads = {name: [_times_weight(g, losses[name].weight) for g in grads[name]]
+                 for name in self.objectives}
+        return grads, global_batch.on_first_replica(
+            {name: _weighted_sums(loss) for name, loss in losses.items()})
+
+    def _concatenated(self, forward_fn: Callable[[tf.Tensor], Any]) -> Any:
+        """`forward_fn(i)`'s outputs for every micro-batch index i, concatenated along the batch (in
+        a `tf.while_loop`; the first outside it, which gives the outputs' structure)."""
+        first = forward_fn(tf.constant(0))
+        arrays = [tf.TensorArray(t.dtype, size=self.accumulation_steps, element_shape=t.shape).write(0, t)
+                  for t in tf.nest.flatten(first)]
+
+        def body(i, arrays):
+            return i + 1, [array.write(i, t) for array, t in zip(arrays, tf.nest.flatten(forward_fn(i)))]
+
+        _, arrays = tf.while_loop(lambda i, *_: i < self.accumulation_steps, body,
+                                  (tf.constant(1), arrays))
+        return tf.nest.pack_sequence_as(first, [
+            tf.reshape(array.stack(), tf.concat([[-1], tf.shape(t)[1:]], 0))
+            for array, t in zip(arrays, tf.nest.flatten(first))])
+
+    def _forward_micro_batch(self, micro_batches: Batch, index: tf.Tensor) -> Any:
+        """The first pass on micro-batch `index`: the float32 outputs of a forward without a tape."""
+        inputs = self.input_fn(micro_batch_at(micro_batches, index))
+        return forward(self.model, self.policy, inputs, training=True)
+
+    def _add_backward(self, micro_batches: Batch, output_grads: dict, index: tf.Tensor,
+                      step_number: tf.Tensor, accumulated: dict) -> dict:
+        """The second pass on micro-batch `index`: `accumulated` plus, per objective due, its
+        unscaled float32 gradients from the forward again and a backward that starts at the
+        outputs with the loss scale times `output_grads` (the whole batch's loss's gradient with
+        respect to those outputs, [k, micro-batch, ...] per floating output)."""
+        inputs = self.input_fn(micro_batch_at(micro_batches, index))
+        with tf.GradientTape(persistent=len(self.objectives) > 1) as tape:
+            leaves = global_batch.floating_leaves(
+                forward(self.model, self.policy, inputs, training=True))
+        due = self._due(step_number)
+        grads = {}
+        for name, objective in self.objectives.items():
+            def gradients():
+                seeds = [objective.loss_scale.scale_loss(g[index]) for g in output_grads[name]]
+                return self._unscaled(name, tape.gradient(leaves, objective.variables,
+                                                          output_gradients=seeds))
+
+            grads[name] = _when(due[name], gradients, lambda: self._zero_gradients()[name])
+        return tf.nest.map_structure(tf.add, accumulated, grads)
+
+    def _zero_gradients(self) -> dict[str, list]:
+        """Float32 zeros shaped as each objective's variables."""
+        return {name: [tf.zeros(v.shape, tf.float32) for v in objective.variables]
+                for name, objective in self.objectives.items()}
+
+    def _unscaled(self, name: str, scaled_grads: list) -> list:
+        """Objective `name`'s gradients from its scaled backward, unscaled into float32.
+
+        Which variables the loss does not reach is known while tracing (`unused_variables`). They
+        get zero gradients here, which change neither the norm nor the finiteness check, and no
+        update (see _apply).
+        """
+        objective = self.objectives[name]
+        self.unused_variables[name] = [grad is None for grad in scaled_grads]
+        return objective.loss_scale.unscale(
+            [_zeros_if_none(g, v) for g, v in zip(scaled_grads, objective.variables)])
+
+    def _add_micro_batch(self, micro_batches: Batch, index: tf.Tensor, step_number: tf.Tensor,
+                         accumulated: tuple) -> tuple:
         """`accumulated` (gradients and sums) plus those of micro-batch `index` of `micro_batches`."""
-        micro_batch = tf.nest.map_structure(lambda t: t[index], micro_batches)
-        return tf.nest.map_structure(tf.add, accumulated, self._micro_step(micro_batch))
+        return tf.nest.map_structure(tf.add, accumulated,
+                                     self._micro_step(micro_batch_at(micro_batches, index), step_number))
 
     def metric_names(self, batch_spec: Any) -> dict[str, list[str]]:
         """Per objective, the names of the metrics `loss_fn` returns beside its loss, for batches of
@@ -297,9 +438,10 @@ class TrainStep:
             self._traced_metric_names = names
         return self._traced_metric_names
 
-    def _micro_step(self, micro_batch: Batch) -> tuple[dict, dict[str, Any]]:
+    def _micro_step(self, micro_batch: Batch, step_number: tf.Tensor) -> tuple[dict, dict[str, Any]]:
         """Forward in the compute dtype, losses in float32, scaled backward, unscaled float32
-        gradients: per objective, of its own loss with respect to its own variables.
+        gradients: per objective due at `step_number`, of its own loss with respect to its own
+        variables (zeros for the others, whose backward is not run).
 
         The scale multiplies the micro-batch's *mean* loss (sum / weight), so a token-weighted sum
         over thousands of tokens reaches the 16-bit backward with a mean's magnitudes; the weight goes
@@ -312,17 +454,14 @@ class TrainStep:
                 name: objective.loss_scale.scale_loss(
                     per_weight(losses[name].value, tf.stop_gradient(losses[name].weight)))
                 for name, objective in self.objectives.items()}
+        due = self._due(step_number)
         grads = {}
         for name, objective in self.objectives.items():
-            variables = objective.variables
-            scaled_grads = tape.gradient(scaled_losses[name], variables)
-            # Which variables the loss does not reach is known while tracing. They get zero
-            # gradients here, which change neither the norm nor the finiteness check, and no
-            # update (see _apply).
-            self.unused_variables[name] = [grad is None for grad in scaled_grads]
-            unscaled = objective.loss_scale.unscale(
-                [tf.zeros(v.shape, tf.float32) if g is None else g for g, v in zip(scaled_grads, variables)])
-            grads[name] = [_times_weight(g, losses[name].weight) for g in unscaled]
+            def gradients():
+                unscaled = self._unscaled(name, tape.gradient(scaled_losses[name], objective.variables))
+                return [_times_weight(g, losses[name].weight) for g in unscaled]
+
+            grads[name] = _when(due[name], gradients, lambda: self._zero_gradients()[name])
         return grads, {name: _weighted_sums(loss) for name, loss in losses.items()}
 
     def _apply(self, name: str, grads: list) -> tf.Tensor:
@@ -362,17 +501,20 @@ def _weighted_sums(loss: Loss) -> dict[str, Any]:
             "metrics": {name: value * loss.weight for name, value in loss.metrics.items()}}
 
 
-def per_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
-    """`value / weight` (0 for a weight of 0); `value` itself for the weight 1 of a plain mean loss.
-
-    The loss scale multiplies a micro-batch's loss per weight (its mean), whatever the loss's form.
-    """
-    return value if tf.get_static_value(weight) == 1.0 else tf.math.divide_no_nan(value, weight)
-
-
 def _times_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
     """`value * weight`; `value` itself for the weight 1 of a plain mean loss."""
     return value if tf.get_static_value(weight) == 1.0 else value * weight
+
+
+def _when(due: Optional[tf.Tensor], fn: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
+    """`fn()` where an objective is `due` and `otherwise()` where not, in a graph conditional that
+    runs only one of them; `fn()` itself for an objective due on every step (`due` None)."""
+    return fn() if due is None else tf.cond(due, fn, otherwise)
+
+
+def _zeros_if_none(grad: Optional[tf.Tensor], variable: tf.Variable) -> tf.Tensor:
+    """`grad`, or float32 zeros of `variable`'s shape for a variable the loss does not reach."""
+    return tf.zeros(variable.shape, tf.float32) if grad is None else grad
 
 
 def _select(values: list, keep: list[bool]) -> list:

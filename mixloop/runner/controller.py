@@ -63,6 +63,9 @@ class Runnable(Protocol):
     def ema_weights(self) -> contextlib.AbstractContextManager:
         """The weights eval uses, swapped in for a `with` block."""
 
+    def random_states_kept(self) -> contextlib.AbstractContextManager:
+        """Every checkpointed random state put back as it was after a `with` block."""
+
     def actions(self) -> list:
         """The subclass's `Action`s."""
 
@@ -247,12 +250,15 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest, num_batches
         if stop.signal_number is not None:  # Save at once: a scheduler's grace period is short.
             break
         if _is_due(trainer, step, config.eval.every_steps):
-            if trainer.eval_data is not None:
-                metrics.update(_report_eval(trainer, writer, step))
-            at_eval = [action for action in actions if action.at_eval]
-            if at_eval:
-                with trainer.ema_weights():  # Eval-time actions see the weights eval saw.
-                    _run_actions(trainer, writer, "eval", step, at_eval, stop)
+            # Eval leaves the run's random sequence where training had it: a run that stops (and
+            # evaluates) here and resumes then draws the noise a straight run draws.
+            with trainer.random_states_kept():
+                if trainer.eval_data is not None:
+                    metrics.update(_report_eval(trainer, writer, step))
+                at_eval = [action for action in actions if action.at_eval]
+                if at_eval:
+                    with trainer.ema_weights():  # Eval-time actions see the weights eval saw.
+                        _run_actions(trainer, writer, "eval", step, at_eval, stop)
         if _is_due(trainer, step, config.checkpoint.every_steps):
             _save(trainer, step)
     return metrics, guard.CONTINUE
@@ -406,7 +412,9 @@ def _log_first_skips(trainer: Runnable, interval: reporting.Interval, logged: se
 
 def _report_train(trainer: Runnable, writer: reporting.MetricWriter, step: int,
                   interval: reporting.Interval) -> dict:
-    scalars = interval.summary(step, trainer.state.skipped_totals(), trainer.config.train.batch_size)
+    cadenced = [name for name, objective in trainer.objectives.items() if objective.every_steps > 1]
+    scalars = interval.summary(step, trainer.state.skipped_totals(), trainer.config.train.batch_size,
+                               cadenced)
     for name, objective in trainer.objectives.items():
         scalars[reporting.tag("loss_scale", name, trainer.objectives)] = float(
             objective.loss_scale.scale.numpy())

@@ -1,4 +1,5 @@
-"""Builds the Keras optimizer and learning-rate schedule named by `config.optimizer`.
+"""Builds the Keras optimizer and learning-rate schedule named by `config.optimizer` (public as
+`mixloop.build_optimizer`).
 
 Schedules count optimizer iterations, which the train step advances once per *applied* update, so a
 skipped (non-finite) update neither moves the learning rate nor applies weight decay.
@@ -44,9 +45,19 @@ class _WarmupThenLinear(keras.optimizers.schedules.LearningRateSchedule):
                     end=self.end)
 
 
-def build_optimizer(config: ml_collections.ConfigDict, num_steps: int) -> keras.optimizers.Optimizer:
-    """The optimizer named by `config.name`, with its schedule and weight decay."""
-    learning_rate = learning_rate_schedule(config, num_steps)
+def build_optimizer(config: ml_collections.ConfigDict, *, every_steps: int = 1
+                    ) -> keras.optimizers.Optimizer:
+    """The optimizer the run's `config.optimizer` names (`mixloop.build_optimizer`), with its
+    learning-rate schedule and weight decay: what `Trainer.build_optimizer` returns, and what an
+    objective of `Trainer.build_objectives` should get to follow the config.
+
+    The schedule runs over the updates the optimizer will apply: `config.train.num_steps` for an
+    objective updated on every step, `num_steps // every_steps` for one updated every
+    `every_steps` steps (`mixloop.Objective(..., every_steps=N)`), whose iterations advance only
+    then; pass the same `every_steps` to both.
+    """
+    learning_rate = learning_rate_schedule(config.optimizer, max(config.train.num_steps // every_steps, 1))
+    config = config.optimizer
     decay = config.weight_decay or None
     if config.name == "sgd":
         return keras.optimizers.SGD(learning_rate, weight_decay=decay)

@@ -72,7 +72,8 @@ from mixloop.config import parse_loss_scale, split_auto
 from mixloop.engine.layer_precision import build_model, named_layers
 from mixloop.engine.loss import as_losses
 from mixloop.engine.policy import Policy
-from mixloop.engine.step import forward, per_weight, split_micro_batches
+from mixloop.engine.loss import per_weight
+from mixloop.engine.step import forward, split_micro_batches
 from mixloop.errors import UserError
 
 MARGIN_BITS = 3  # Doublings of headroom kept free for batches and updates the diagnosis did not see.

@@ -56,7 +56,8 @@ def format_duration(seconds: float) -> str:
 # The train scalars the framework writes itself (per objective as `<tag>/<objective>` when there are
 # several); a train metric of the same name is refused.
 BUILT_IN_TRAIN_TAGS = ("loss", "loss_scale", "learning_rate", "grad_norm", "skipped_steps",
-                       "skipped_total", "steps_per_sec", "examples_per_sec", "recoveries", "heals")
+                       "skipped_total", "updates", "steps_per_sec", "examples_per_sec", "recoveries",
+                       "heals")
 _SPEED_TAGS = ("steps_per_sec", "examples_per_sec")
 
 
@@ -82,6 +83,7 @@ def zero_totals(metric_names: list[str]) -> dict[str, Any]:
     """One objective's sums over an inner loop, before its first update (see `add_update`)."""
     zero = tf.constant(0.0)
     return {"loss_sum": zero, "num_finite_loss": zero, "grad_norm_sum": zero, "num_applied": zero,
+            "num_ran": zero,  # Updates of the objective, applied or skipped (see every_steps).
             # The train metrics, weighted by each update's total loss weight.
             "metric_sums": {name: zero for name in metric_names}, "metric_weight": zero,
             # The latest update, for the divergence message.
@@ -101,6 +103,7 @@ def add_update(totals: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]
         "num_finite_loss": totals["num_finite_loss"] + tf.cast(finite_loss, tf.float32),
         "grad_norm_sum": totals["grad_norm_sum"] + tf.where(applied, report["grad_norm"], 0.0),
         "num_applied": totals["num_applied"] + tf.cast(applied, tf.float32),
+        "num_ran": totals["num_ran"] + tf.cast(report["ran"], tf.float32),
         "metric_sums": {name: total + report["metrics"][name] * report["weight"]
                         for name, total in totals["metric_sums"].items()},
         "metric_weight": totals["metric_weight"] + report["weight"],
@@ -126,11 +129,14 @@ def _speed_and_eta(steps_left: int, steps_per_sec: Optional[float]) -> str:
 
 
 def _progress_item(name: str, value: float, scalars: Mapping[str, float]) -> str:
-    """'loss 2.3141', 'scale/generator 32768' or 'skipped 1 (total 3)' for the progress line."""
+    """'loss 2.3141', 'scale/generator 32768', 'updates/generator 20' or 'skipped 1 (total 3)' for the
+    progress line."""
     base, _, objective = name.partition("/")
     suffix = f"/{objective}" if objective else ""
     if base == "loss_scale":
         return f"scale{suffix} {value:g}"
+    if base == "updates":
+        return f"updates{suffix} {int(value)}"
     if base == "skipped_steps":
         return f"skipped{suffix} {int(value)} (total {int(scalars['skipped_total' + suffix])})"
     return f"{name} {value:.4f}"
@@ -142,7 +148,7 @@ def log_eval(step: int, metrics: Mapping[str, float]) -> None:
     logging.info("eval at step %d: %s", step, text)
 
 
-_SUMMED = ("loss_sum", "num_finite_loss", "grad_norm_sum", "num_applied", "metric_weight")
+_SUMMED = ("loss_sum", "num_finite_loss", "grad_norm_sum", "num_applied", "num_ran", "metric_weight")
 
 
 class Interval:
@@ -177,9 +183,11 @@ class Interval:
         """Per objective, the updates skipped since the interval began."""
         return {name: int(total) - self.start_skipped[name] for name, total in skipped_totals.items()}
 
-    def summary(self, step: int, skipped_totals: Mapping[str, int], batch_size: int) -> dict[str, float]:
-        """Per objective the mean loss, gradient norm, train metrics and skipped counts; the speed
-        over the timed loops (none when every update of the interval was untimed).
+    def summary(self, step: int, skipped_totals: Mapping[str, int], batch_size: int,
+                cadenced: Collection[str] = ()) -> dict[str, float]:
+        """Per objective the mean loss, gradient norm, train metrics and skipped counts, and for the
+        `cadenced` objectives (`every_steps` > 1) the updates they made (`updates`); the speed over
+        the timed loops (none when every update of the interval was untimed).
 
         The gradient norm is the mean over applied updates; an interval in which every update was
         skipped has none, and leaves it out rather than write a NaN into TensorBoard.
@@ -195,6 +203,8 @@ class Interval:
                 summary[name] = total / t["metric_weight"] if t["metric_weight"] else math.nan
             summary[tagged("skipped_steps")] = float(skipped[objective])
             summary[tagged("skipped_total")] = float(skipped_totals[objective])
+            if objective in cadenced:
+                summary[tagged("updates")] = t["num_ran"]
             if t["num_applied"]:
                 summary[tagged("grad_norm")] = t["grad_norm_sum"] / t["num_applied"]
         num_timed_steps = step - self.start_step - self.num_untimed_steps
@@ -206,7 +216,7 @@ class Interval:
 
 
 # Train scalars that describe the run's pace or settings rather than what it learned.
-_NOT_RESULTS = ("skipped_steps", "learning_rate", "loss_scale", "grad_norm", *_SPEED_TAGS)
+_NOT_RESULTS = ("skipped_steps", "updates", "learning_rate", "loss_scale", "grad_norm", *_SPEED_TAGS)
 
 
 def describe_finish(step: int, num_steps: int, metrics: Mapping[str, float], *,

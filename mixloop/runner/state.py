@@ -23,16 +23,19 @@ class SkipCounters(tf.Module):
                                            name="first_nonfinite")
         self.first_inputs_finite = tf.Variable(True, trainable=False, name="first_inputs_finite")
 
-    def record(self, applied: tf.Tensor, nonfinite_gradients: tf.Variable,
+    def record(self, ran: tf.Tensor, applied: tf.Tensor, nonfinite_gradients: tf.Variable,
                inputs_finite: tf.Tensor) -> None:
-        """Counts one update of this objective, applied or skipped (graph-safe)."""
-        starts_streak = tf.logical_and(tf.logical_not(applied), self.consecutive_skips == 0)
+        """Counts one step of this objective: an update applied or skipped where it `ran`, nothing
+        where it was not due (`Objective.every_steps`). Graph-safe."""
+        skipped = tf.logical_and(ran, tf.logical_not(applied))
+        starts_streak = tf.logical_and(skipped, self.consecutive_skips == 0)
         self.first_nonfinite.assign(tf.where(starts_streak, nonfinite_gradients, self.first_nonfinite))
         self.first_inputs_finite.assign(
             tf.where(starts_streak, inputs_finite, self.first_inputs_finite))
-        self.consecutive_skips.assign(
-            tf.where(applied, tf.constant(0, tf.int64), self.consecutive_skips + 1))
-        self.skipped_total.assign_add(1 - tf.cast(applied, tf.int64))
+        self.consecutive_skips.assign(tf.where(
+            ran, tf.where(applied, tf.constant(0, tf.int64), self.consecutive_skips + 1),
+            self.consecutive_skips))
+        self.skipped_total.assign_add(tf.cast(skipped, tf.int64))
 
 
 class RunState(tf.Module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Any, Iterator, Optional
 
 import keras
@@ -58,10 +59,12 @@ class Trainer:
                 self.model = self.build_model()
             placement = layer_precision.keep_float32_layers(
                 self.model, self.policy, split_auto(config.precision.float32_layers)[1])
+            placement += layer_precision.own_float32_layers(self.model, self.policy, placement)
             logging.info("%s", layer_precision.describe_placement(placement, self.policy))
             self.objectives = with_loss_scales(
                 self.build_objectives(),
                 lambda: precision_setup.make_loss_scale(config.precision, self.policy))
+            self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
             self.train_step = TrainStep(
                 model=self.model,
                 objectives=self.objectives,
@@ -72,10 +75,11 @@ class Trainer:
                 jit_compile=self.jit_compile is not False,
                 input_fn=self.model_inputs,
                 ema_decay=config.train.ema_decay,
+                global_step=self.state.global_step,  # The step counts its updates here.
+                batch_loss=config.train.batch_loss,
             )
             self.compile_loops()
             _check_objective_variables(self.objectives, self.model)
-            self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
             # Before the data and the first trace, so compute_loss and build_datasets may read it.
             self.research_state = _checked_extra_state(self.extra_state())
         with reporting.announced(f"Building the datasets ({type(self).__name__}.build_datasets)"):
@@ -135,7 +139,7 @@ class Trainer:
 
     def build_optimizer(self) -> keras.optimizers.Optimizer:
         """Returns the optimizer; by default the one `config.optimizer` names."""
-        return optimizers.build_optimizer(self.config.optimizer, self.config.train.num_steps)
+        return optimizers.build_optimizer(self.config)
 
     def build_objectives(self) -> dict[str, Objective]:
         """Returns the objectives by name (called after `build_model`, in the strategy's scope).
@@ -232,12 +236,12 @@ class Trainer:
         return totals
 
     def _count_update(self, totals: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
-        """`totals` after the update whose step `metrics` these are; the counters moved on."""
-        self.state.global_step.assign_add(1)
+        """`totals` after the update whose step `metrics` these are; the skip counters moved on
+        (the step itself counts the update in `global_step`)."""
         objectives = {}
         for name, report in metrics["objectives"].items():
             skips = self.state.skips[name]
-            skips.record(report["applied"], self.train_step.nonfinite_gradients[name],
+            skips.record(report["ran"], report["applied"], self.train_step.nonfinite_gradients[name],
                          metrics["inputs_finite"])
             objectives[name] = {**reporting.add_update(totals["objectives"][name], report),
                                 "stop_reason": guard.stop_reason(
@@ -283,6 +287,27 @@ class Trainer:
             for average in self.train_step.ema.values():
                 stack.enter_context(average.swapped_in())
             yield
+
+    @contextlib.contextmanager
+    def random_states_kept(self) -> Iterator[None]:
+        """Puts every random state a checkpoint holds back as it was after the `with` block: the
+        state of each Keras `SeedGenerator` in the model (dropout's, `keras.random.normal(...,
+        seed=self.seed_generator)` in a `call`) and of each `tf.random.Generator` in
+        `extra_state()`.
+
+        The controller runs evaluation and the eval-time actions inside it: a model that draws
+        noise in `call(training=False)` (a VAE's sample, a GAN's noise) would otherwise advance the
+        run's random sequence at every eval, so a run stopped at step N (which evaluates there) and
+        resumed would draw other noise from then on than one that ran straight through.
+        """
+        states = _random_states(self.model, self.research_state)
+        saved = [tf.identity(state) for state in states]
+        try:
+            yield
+        finally:
+            with self.strategy.scope():
+                for state, value in zip(states, saved):
+                    state.assign(value)
 
     def restore(self) -> Optional[str]:
         """Restores the workdir's latest checkpoint; returns its path, or None for a fresh run.
@@ -363,7 +388,7 @@ class Trainer:
             if os.path.exists(partial):
                 os.remove(partial)
             logging.warning("Could not export the model (the checkpoints hold the trained weights): "
-                            "%s: %s", type(error).__name__, _first_line(error))
+                            "%s", _export_failure(error))
             return None
         try:
             os.replace(partial, path)
@@ -446,9 +471,18 @@ class Trainer:
         return os.path.join(self.workdir, "checkpoints")
 
 
-def _first_line(error: Exception) -> str:
-    """The first non-empty line of an exception's message (Keras's run over many lines)."""
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+def _export_failure(error: Exception) -> str:
+    """One line for an export Keras refused: the first paragraph of its message (Keras's run over
+    many lines and go on with example code), and for a class Keras cannot rebuild without a
+    `get_config`, what to add."""
+    summary = " ".join(str(error).strip().split("\n\n")[0].split())
+    unsaveable = re.search(r"Object (\w+) was created by passing", summary)
+    if unsaveable:
+        name = unsaveable[1]
+        summary += (f" Add to {name} a get_config() that returns its __init__ arguments, e.g. "
+                    f"`return {{**super().get_config(), \"width\": self.width}}`, and register it "
+                    f"with @keras.saving.register_keras_serializable() (as gan_digits' GAN).")
+    return f"{type(error).__name__}: {summary}"
 
 
 def _check_objective_variables(objectives: dict[str, Objective], model: keras.Model) -> None:
@@ -489,6 +523,15 @@ def _checked_extra_state(state: Any) -> dict[str, Any]:
             raise UserError(f"extra_state()[{key!r}] is a {type(value).__name__}, which a checkpoint "
                             f"cannot hold; use a tf.Variable and assign to it") from None
     return state
+
+
+def _random_states(model: keras.Model, research_state: dict[str, Any]) -> list:
+    """The variables that hold random states: each Keras `SeedGenerator`'s in `model` (Keras lists
+    them in `variables` but not in `weights`) and each `tf.random.Generator`'s in `research_state`."""
+    weights = {id(weight) for weight in model.weights}
+    return ([v for v in model.variables if id(v) not in weights]
+            + [value.state for value in research_state.values()
+               if isinstance(value, tf.random.Generator)])
 
 
 def _learning_rate_variables(objectives: dict[str, Objective]) -> dict[str, tuple[Any, float]]:

@@ -20,7 +20,8 @@ times, in one process, the same optimizer updates on the same batches done sever
                      batch); policy float32, mixed_float16 and mixed_bfloat16, each with and without
                      XLA; loss_scale dynamic and none in float16 (the only dtype where a dynamic scale
                      does anything); jit_compile the other way round; ema_decay on (0.999) or off,
-                     whichever it is not
+                     whichever it is not; with train.batch_loss, batch_loss=False (plain
+                     accumulation, the loss per micro-batch) beside the two passes
     mixloop +metric  the configured run with one more train metric (the mean of the model's first
                      output: a reduction over the logits, weighted and summed like any metric)
 
@@ -74,6 +75,8 @@ POLICY_RATIOS = ("mixed_bfloat16/float32", "mixed_float16/float32")
 RATIOS = (*POLICY_RATIOS, "mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare",
           "dynamic/none", "k8/k1", "k2/k1 with XLA", "k2/k1 without XLA", "ema/no-ema",
           "metric/no-metric")
+# With train.batch_loss, also: the two passes' examples/s over plain accumulation's (their cost's inverse).
+BATCH_LOSS_RATIO = "two-passes/plain"
 EMA_DECAY = 0.999  # The ema_decay of the EMA variant.
 EXTRA_METRIC = "benchmark_output_mean"  # The +metric variant's train metric.
 
@@ -87,6 +90,7 @@ class Variant:
     accumulation_steps: int
     loss_scale: str  # The scale in effect: "dynamic", "none" or the static value.
     xla: bool  # Whether the update is compiled with XLA.
+    batch_loss: bool  # Whether the loss is on the whole batch (train.batch_loss: two passes).
     run_fn: Callable[[], None] = dataclasses.field(repr=False)  # One repeat, finished on the device.
     seconds: list[float] = dataclasses.field(default_factory=list)
 
@@ -134,6 +138,8 @@ def without_keras(trainer, data: tf.data.Dataset) -> str:
     they take one loss of `(inputs, targets)` batches."""
     if len(trainer.objectives) > 1:
         return f"{len(trainer.objectives)} objectives (one loss each)"
+    if trainer.config.train.batch_loss:
+        return "a loss over the whole batch of all outputs (train.batch_loss), not one per output"
     if not (isinstance(data.element_spec, tuple) and len(data.element_spec) == 2):
         return f"train batches that are not (inputs, targets) pairs ({data.element_spec})"
     return ""
@@ -154,7 +160,7 @@ def keras_fit_variant(trainer, data: tf.data.Dataset, *, tuned: bool) -> Variant
                   **tuning)
     epoch = data.prefetch(tf.data.AUTOTUNE)
     return Variant("keras-fit-tuned" if tuned else "keras-fit", policy.keras_name, 1,
-                   "dynamic" if float16 else "none", model.jit_compile,
+                   "dynamic" if float16 else "none", model.jit_compile, False,
                    lambda: model.fit(epoch, verbose=0))
 
 
@@ -184,7 +190,7 @@ def bare_variant(trainer, data: tf.data.Dataset, jit_compile: bool, name: str = 
 
     iterator = iter(data.repeat().prefetch(tf.data.AUTOTUNE))
     num_steps = tf.constant(config.train.steps_per_loop)
-    return Variant(name, policy.keras_name, 1, "none", jit_compile,
+    return Variant(name, policy.keras_name, 1, "none", jit_compile, False,
                    lambda: loop(iterator, num_steps).numpy())
 
 
@@ -209,16 +215,17 @@ def mixloop_variant(name: str, config: ml_collections.ConfigDict, trainer_class:
     return Variant(name, *_settings(config), run)
 
 
-def _settings(config: ml_collections.ConfigDict) -> tuple[str, int, str, Any]:
-    """(policy, accumulation_steps, loss scale in effect, XLA: True, False or "auto") of a
-    one-replica config: what tells two runs apart."""
+def _settings(config: ml_collections.ConfigDict) -> tuple[str, int, str, Any, bool]:
+    """(policy, accumulation_steps, loss scale in effect, XLA: True, False or "auto", batch_loss)
+    of a one-replica config: what tells two runs apart."""
     policy, _ = precision_setup.make_policy(config.precision.policy)
     scale = precision_setup.make_loss_scale(config.precision, policy)
     if isinstance(scale, (DynamicLossScale, NoLossScale)):
         scale_name = "dynamic" if isinstance(scale, DynamicLossScale) else "none"
     else:
         scale_name = f"{float(scale.scale):g}"
-    return policy.keras_name, config.train.accumulation_steps, scale_name, config.jit_compile
+    return (policy.keras_name, config.train.accumulation_steps, scale_name, config.jit_compile,
+            config.train.batch_loss)
 
 
 def _float16_policy(config: ml_collections.ConfigDict) -> str:
@@ -242,6 +249,7 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
     changes += [{"precision.policy": p, "jit_compile": m} for p in POLICIES for m in (True, False)]
     changes += [{"precision.policy": float16, "precision.loss_scale": s} for s in ("dynamic", "none")]
     changes += [{"jit_compile": config.jit_compile is False}]
+    changes += [{"train.batch_loss": False}]  # Plain accumulation beside the two passes.
     configs, seen = {"mixloop": config}, [_settings(config)]
     for change in changes:
         changed = _changed(config, change)
@@ -358,7 +366,7 @@ def fastest_mode(variants: list[Variant], **wanted: Any) -> Variant:
     """Of the mixloop variants with the `wanted` fields, with XLA and without, the faster (by median
     seconds)."""
     matching = [v for v in variants if v.name.startswith("mixloop") and not v.name.startswith(
-                    ("mixloop ema_decay", "mixloop +metric"))
+                    ("mixloop ema_decay", "mixloop +metric", "mixloop batch_loss"))
                 and all(getattr(v, key) == value for key, value in wanted.items())]
     return min(matching, key=lambda v: statistics.median(v.seconds))
 
@@ -387,9 +395,9 @@ def _ordered(a: Variant, b: Variant, *, first_is_on: bool) -> tuple[Variant, Var
 
 
 def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) -> dict[str, float]:
-    """The ratios of RATIOS, keyed by name."""
+    """The ratios of RATIOS (and BATCH_LOSS_RATIO with train.batch_loss), keyed by name."""
     by_name = {v.name: v for v in variants}
-    policy, k, scale, xla = _settings(config)
+    policy, k, scale, xla, _ = _settings(config)
     float16 = _float16_policy(config)
     best = {name: fastest_mode(variants, policy=name, accumulation_steps=k,
                                **({"loss_scale": "dynamic"} if name == "mixed_float16" else {}))
@@ -410,8 +418,10 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
         "ema/no-ema": _ordered(by_name["mixloop"], _starting(variants, "mixloop ema_decay="),
                                first_is_on=bool(config.train.ema_decay)),
         "metric/no-metric": (by_name["mixloop +metric"], by_name["mixloop"]),
+        BATCH_LOSS_RATIO: (by_name["mixloop"], by_name.get("mixloop batch_loss=False")),
     }
-    return {name: pairwise_ratio(*pairs[name]) for name in RATIOS}
+    names = RATIOS + ((BATCH_LOSS_RATIO,) if config.train.batch_loss else ())
+    return {name: pairwise_ratio(*pairs[name]) for name in names}
 
 
 # ----- Results: JSON and the table. -----
