@@ -117,9 +117,10 @@ def test_xla_compiles_the_two_passes_bodies_to_the_same_gradient():
     assert relative_gap(update, expected) < 1e-6
 
 
-def test_in_float16_the_two_passes_match_the_whole_batch_to_float16_rounding():
+@pytest.mark.parametrize("strategy_name", STRATEGIES)
+def test_in_float16_the_two_passes_match_the_whole_batch_to_float16_rounding(strategy_name):
     expected, expected_report = reference_update(policy="mixed_float16")
-    strategy = tf.distribute.get_strategy()
+    strategy = STRATEGIES[strategy_name]()
     update, report = update_of(strategy, make_step(strategy, two_views_model(), policy="mixed_float16",
                                                    batch_loss=True, accumulation_steps=4), views())
     # Each micro-batch's weight gradient is summed in float16 over its 8 rows, the whole batch's

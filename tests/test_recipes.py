@@ -129,7 +129,7 @@ def overflowing(trainer_class: type, objective: str = "", at_update: int = 3) ->
 
 def make(trainer_class: type, workdir, **overrides) -> mixloop.Trainer:
     """A `trainer_class` on tiny_experiment's config, float32, 10 updates, overridden by `overrides`
-    ({"section.field": value})."""
+    ({"section.field": value}, or {"field": value} for a top-level one)."""
     config = tiny_experiment.get_config()
     config.precision.policy = "float32"
     config.train.num_steps = 10
@@ -137,8 +137,9 @@ def make(trainer_class: type, workdir, **overrides) -> mixloop.Trainer:
     config.eval.every_steps = 10
     config.checkpoint.every_steps = 10
     for key, value in overrides.items():
-        section, field = key.split(".")
-        config[section][field] = value
+        section, _, field = key.rpartition(".")
+        with config.ignore_type():  # jit_compile: True, False or "auto".
+            (config[section] if section else config)[field] = value
     return trainer_class(config, str(workdir))
 
 
@@ -244,7 +245,8 @@ def test_the_gradient_penalty_trains_in_float16_as_in_float32(tmp_path):
                                                             "precision.initial_scale": 2.0**10,
                                                             "optimizer.name": "sgd",
                                                             "optimizer.learning_rate": 0.05,
-                                                            "train.num_steps": 1})
+                                                            "train.num_steps": 1,
+                                                            "jit_compile": False})
         initial = trainer.model.discriminator.get_weights()
         trainer.train()
         assert trainer.state.skipped_totals() == {"generator": 0, "discriminator": 0}
