@@ -36,7 +36,6 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import tempfile
 import time
 from typing import Any, Iterable, Sequence, Union
 
@@ -215,8 +214,7 @@ def _next_batches_put_back(trainer, num_batches: int) -> list:
       tf.errors.OpError: when reading the data fails (its position is put back all the same).
     """
     position = tf.train.Checkpoint(iterator=trainer.train_iterator)
-    parent = trainer.workdir if os.path.isdir(trainer.workdir) else None  # Its lock is held there.
-    with tempfile.TemporaryDirectory(prefix=".precision-probe-", dir=parent) as directory:
+    with workdir.scratch_folder(trainer.workdir, ".precision-probe-") as directory:
         saved = position.write(os.path.join(directory, "position"))
         try:
             return list(itertools.islice(trainer.train_iterator, num_batches))

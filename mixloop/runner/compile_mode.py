@@ -33,7 +33,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from typing import Any, Optional
 
@@ -127,9 +126,7 @@ def measure(trainer) -> tuple[dict[bool, float], float]:
     """The probe: ({XLA: examples/s, graph: examples/s}, its seconds), timed from the trainer's
     current state, which it leaves as it was (the benchmark reports it too)."""
     started = time.perf_counter()
-    # In the workdir (the run's lock is held there): the state can be large, and /tmp small.
-    parent = trainer.workdir if os.path.isdir(trainer.workdir) else None
-    with tempfile.TemporaryDirectory(prefix=".compile-probe-", dir=parent) as directory:
+    with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
         saved = trainer.save_state(os.path.join(directory, "state"))
         try:
             seconds = {}

@@ -145,6 +145,14 @@ def _unusable_workdir(directory: str, error: OSError) -> UserError:
                      "choose a --workdir you can write to")
 
 
+def scratch_folder(directory: str, prefix: str) -> "tempfile.TemporaryDirectory[str]":
+    """A temporary folder inside the workdir `directory` (its lock is held there, and a model's
+    state can be large where /tmp is small), or in the system's when it does not exist yet;
+    removed when its `with` block ends."""
+    return tempfile.TemporaryDirectory(prefix=prefix,
+                                       dir=directory if os.path.isdir(directory) else None)
+
+
 def nearest_existing(path: str) -> str:
     """`path` if it exists, else the nearest of its parents that does (`path` normalized)."""
     existing = os.path.normpath(path)
