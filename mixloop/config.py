@@ -49,8 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.precision.policy = "float32"  # float32, mixed_float16, mixed_bfloat16, or auto.
     config.precision.loss_scale = "dynamic"  # "dynamic", "none", or a number for a static scale.
     # Dynamic scale: the starting value, or "auto" (the default): in float16, the largest that leaves
-    # the gradients of a probe of a few train batches 2**MARGIN_BITS below float16's largest value
-    # (the doctor's rule); elsewhere, and with several replicas, DEFAULT_INITIAL_SCALE.
+    # the gradients of a probe of a few train batches 2**MARGIN_BITS below float16's largest value,
+    # no higher than DEFAULT_INITIAL_SCALE unless they underflow there (the doctor's rule);
+    # elsewhere, and with several replicas, DEFAULT_INITIAL_SCALE.
     config.precision.initial_scale = FieldReference(AUTO, field_type=object)
     config.precision.growth_interval = 2000  # Dynamic scale: finite updates in a row before growing.
     config.precision.growth_factor = 2.0  # Dynamic scale: factor applied on growth (> 1).

@@ -11,8 +11,9 @@ after some training. The probe is on by default in mixed_float16: `--config.prec
 
 Expect for the default ("hot"): layer `hot` outputs values near 1e5, beyond float16's 65504, so the
 mixed_float16 loss is NaN from the first step; the advice keeps `hot` and its consumer `squash` in
-float32, and calls mixed_bfloat16 safe. For "faint": gradients near 1e-9 all flush to zero in float16 without a loss
-scale; the advice is a dynamic loss scale starting at 2^41 (and a max_scale to allow it).
+float32, and calls mixed_bfloat16 safe. For "faint": gradients near 3e-15 all flush to zero in float16 without a loss
+scale, and at the default start 2^15 too; the advice is a dynamic loss scale starting at 2^61 (and a
+max_scale to allow it).
 For "nested": the reduction inside a block (`pooling/pool`) and inside a block's own `call`
 (`summing`): the automatic placement moves those two, not `pooling`. For "reduction": `pool`
 averages 2,048 positions of values near 40 by summing them first; the sum, near 82,000, overflows float16 although every input and output of the layer is near 40, so the
@@ -29,7 +30,7 @@ import mixloop
 from mixloop.config import base_config
 
 HOT_STDDEV = 3.5e4  # Kernel stddev of `hot`: its outputs on 8 unit-normal features have stddev ~1e5.
-FAINT_FACTOR = 1e-8  # Multiplies the faint model's loss, so its gradients are near 1e-9.
+FAINT_FACTOR = 1e-14  # Multiplies the faint model's loss, so its gradients are near 3e-15.
 SEQUENCE_LENGTH, READING_LEVEL = 2048, 40.0  # The reduction's axis and its values: sums near 82,000.
 GROWTH = 1.3  # The growing layer's gain per update: 1.3**38 is about 21,000, times outputs near 3.
 
@@ -167,7 +168,7 @@ class NestedTrainer(ReductionTrainer):
 
 
 class FaintTrainer(HotTrainer):
-    """The same task through an ordinary MLP, with a loss so small that its gradients are near 1e-9."""
+    """The same task through an ordinary MLP, with a loss so small that its gradients are near 3e-15."""
 
     def build_model(self):
         inputs = keras.Input((8,))
@@ -175,7 +176,7 @@ class FaintTrainer(HotTrainer):
         return keras.Model(inputs, keras.layers.Dense(3, name="logits")(x))
 
     def compute_loss(self, outputs, batch):
-        return FAINT_FACTOR * super().compute_loss(outputs, batch)
+        return self.config.model.loss_factor * super().compute_loss(outputs, batch)
 
 
 def get_config(arg=None):
@@ -191,6 +192,7 @@ def get_config(arg=None):
     if arg == "faint":
         config.trainer = "hot_experiment.FaintTrainer"
         config.precision.loss_scale = "none"  # Gradients as they are, unscaled.
+        config.model.loss_factor = FAINT_FACTOR  # What the loss is multiplied by.
     elif arg == "reduction":
         config.trainer = "hot_experiment.ReductionTrainer"
     elif arg == "nested":

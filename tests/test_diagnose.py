@@ -161,6 +161,16 @@ def test_faint_gradients_underflow_until_the_advised_scale_is_applied(tmp_path):
     assert cured.advice.problems == []
 
 
+def test_gradients_that_the_default_scale_keeps_start_at_it_though_a_higher_start_is_safe(tmp_path):
+    # Gradients near 3e-9: 2^15 keeps them, 2^41 would leave 3 doublings below 65504.
+    report = diagnose(make_trainer(hot_experiment, tmp_path, "faint", **{"model.loss_factor": 1e-8}),
+                      num_batches=2)
+    assert report.gradient_zero_fraction > 0.99  # At the faint experiment's loss scale of 1.
+    assert 65504 / (report.advice.largest_gradient * 2**3) > 2.0**40
+    assert report.advice.initial_scale == 2.0**15
+    assert report.advice.initial_scale_zero_fraction < 0.01
+
+
 def test_the_advice_cures_a_run_that_skipped_every_step(tmp_path, hot_report):
     # Plain float16 (the automatic settings, its defaults, would apply the advice themselves).
     before = make_trainer(hot_experiment, tmp_path / "before", **{

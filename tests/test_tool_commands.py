@@ -17,6 +17,12 @@ def tool_args(command, tmp_path):
             "--quick" if command == "mixloop.benchmark" else f"--workdir={tmp_path / 'run'}"]
 
 
+def long_tool_args(command, tmp_path):
+    """`tool_args`, with a diagnosis of 200 batches (a few seconds) that a signal sent once it has
+    started cannot miss (4 batches can end before the signal arrives)."""
+    return tool_args(command, tmp_path) + (["--steps=200"] if command == "mixloop.diagnose" else [])
+
+
 @pytest.mark.parametrize("command, signal_number, after, when", [
     ("mixloop.benchmark", signal.SIGINT, "Timing both compile modes", "before the benchmark finished"),
     ("mixloop.diagnose", signal.SIGTERM, "Diagnosing", "before the diagnosis finished"),
@@ -24,7 +30,7 @@ def tool_args(command, tmp_path):
 def test_an_interrupted_tool_is_one_line_and_writes_nothing(tmp_path, command, signal_number,
                                                             after, when):
     output = tmp_path / "output"
-    returncode, stderr = interrupted(command, *tool_args(command, tmp_path), f"--output={output}",
+    returncode, stderr = interrupted(command, *long_tool_args(command, tmp_path), f"--output={output}",
                                      signal_number=signal_number, after=after)
 
     assert returncode == 128 + signal_number

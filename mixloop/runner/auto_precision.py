@@ -17,7 +17,8 @@ train batches from the current weights; what it advises is applied instead of pr
             their sublayers
         initial_scale=auto, fresh run: start each dynamic loss scale at the doctor's rule, the
             largest power of two that leaves the probed gradients left in float16 MARGIN_BITS
-            doublings below 65504 (clipped into [min_scale, max_scale])
+            doublings below 65504, no higher than the default 2^15 unless they underflow there
+            (clipped into [min_scale, max_scale])
         log a line each; record the regex and scale in config.json (`resolved`), the doctor's
             report in precision/report-step-N.json
     divergence with finite inputs (`precision.heal`; the controller then restores the last good
@@ -320,8 +321,9 @@ def _start_loss_scales(trainer, reports: list[PrecisionReport],
         scale = loss_scale.start_at(advised)
         clipped = "" if scale == advised else f", clipped from {advised:g} into [min_scale, max_scale]"
         logging.info("precision.initial_scale=auto%s: the loss scale starts at %g%s (the largest "
-                     "probed gradient left in float16 stays %d doublings below %g)", whose, scale,
-                     clipped, MARGIN_BITS, DtypeRange.of(tf.float16).max_finite)
+                     "probed gradient left in float16 stays %d or more doublings below %g; above "
+                     "%g only where the gradients underflow there)", whose, scale, clipped,
+                     MARGIN_BITS, DtypeRange.of(tf.float16).max_finite, DEFAULT_INITIAL_SCALE)
         chosen[report.objective] = scale
     if not chosen:
         return None

@@ -27,7 +27,11 @@ The advice keeps `MARGIN_BITS` doublings free for batches and updates the diagno
                         MARGIN_BITS doublings of their compute dtype's largest finite value, or that
                         turn finite inputs into inf or NaN: a block that does so only because a
                         sublayer does is not listed, the sublayer is
-    initial scale     = s(float16, largest gradient left in float16 by that advice, MARGIN_BITS)
+    initial scale     = s(float16, largest gradient left in float16 by that advice, MARGIN_BITS),
+                        but no higher than DEFAULT_INITIAL_SCALE unless more than
+                        UNDERFLOW_TOLERANCE of those gradients flush to zero at it: a start above
+                        the default only changes a run that needs it (the dynamic scale grows by
+                        itself), while one below it saves the skipped updates of backing off
     bfloat16 is safe  = every 16-bit value stays MARGIN_BITS doublings inside bfloat16's range, and at
                         most UNDERFLOW_TOLERANCE of the gradients flush to zero without a loss scale
 
@@ -68,7 +72,7 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from mixloop.config import parse_loss_scale, split_auto
+from mixloop.config import DEFAULT_INITIAL_SCALE, parse_loss_scale, split_auto
 from mixloop.engine.layer_precision import build_model, named_layers
 from mixloop.engine.loss import as_losses
 from mixloop.engine.policy import Policy
@@ -743,9 +747,12 @@ def _float16_initial_scale(layers: list, variables: list) -> tuple[Optional[floa
     largest_grad = _largest_gradient(layers, variables)
     if not largest_grad > 0:
         return None, None
-    float16 = DtypeRange.of(tf.float16)
+    float16, histogram = DtypeRange.of(tf.float16), _sum_histograms(variables)
     log2_scale = float16.safe_log2_scale(largest_grad, MARGIN_BITS)
-    return 2.0**log2_scale, float16.zero_fraction(_sum_histograms(variables), log2_scale)
+    log2_default = round(math.log2(DEFAULT_INITIAL_SCALE))
+    if log2_scale > log2_default and float16.zero_fraction(histogram, log2_default) <= UNDERFLOW_TOLERANCE:
+        log2_scale = log2_default
+    return 2.0**log2_scale, float16.zero_fraction(histogram, log2_scale)
 
 
 def _largest_gradient(layers: list, variables: list) -> float:
