@@ -128,7 +128,8 @@ def save(manager: tf.train.CheckpointManager, step: int) -> None:
     except (tf.errors.ResourceExhaustedError, OSError) as error:
         _remove_checkpoint(manager.directory, step)
         resume = f"resume from {os.path.basename(previous)}" if previous else "start again"
-        reason = _first_line(error).rpartition("; ")[2]  # TensorFlow: "<file>; <reason>".
+        # TensorFlow says "<file>; <reason>"; the file's path alone can be longer than a line.
+        reason = _first_line(error, limit=None).rpartition("; ")[2][:200]
         raise UserError(f"could not write checkpoint ckpt-{step} in {manager.directory}: {reason}; "
                         f"free space and run the same command to {resume}") from None
 
@@ -224,12 +225,12 @@ def _read_problem(path: str) -> str:
     return ""
 
 
-def _first_line(error: Exception) -> str:
-    """The first line of an error without TensorFlow's op wrapping, at most 200 characters."""
+def _first_line(error: Exception, limit: Optional[int] = 200) -> str:
+    """The first line of an error without TensorFlow's op wrapping, at most `limit` characters."""
     text = error.message if isinstance(error, tf.errors.OpError) else str(error)
     line = (text.strip().splitlines() or [type(error).__name__])[0]
     line = re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]$", "", line)
-    return line[:200]
+    return line[:limit]
 
 
 def _remove_interrupted_saves(directory: str) -> None:

@@ -26,6 +26,7 @@ from absl import flags, logging
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 
 from mixloop import cli
+from mixloop.config import DEFAULT_INITIAL_SCALE
 from mixloop.runner import auto_precision
 from mixloop.runner.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, NOISE_SCALE,
                                              DtypeRange, PrecisionReport, diagnose_objectives,
@@ -147,8 +148,9 @@ def _advice_lines(report: PrecisionReport) -> list[str]:
     else:
         whose = f" of objective {report.objective!r}" if len(report.objectives) > 1 else ""
         scale = (f"{_scale_text(advice.initial_scale)}: the largest gradient{whose} left in float16, "
-                 f"{_number(advice.largest_gradient)}, stays {MARGIN_BITS} doublings below "
-                 f"{DtypeRange.of('float16').max_finite:g}, and "
+                 f"{_number(advice.largest_gradient)}, stays {MARGIN_BITS} or more doublings below "
+                 f"{DtypeRange.of('float16').max_finite:g} (above {DEFAULT_INITIAL_SCALE:g} only "
+                 "where the gradients underflow there), and "
                  f"{_percent(advice.initial_scale_zero_fraction)} of gradients flush to zero")
     bfloat16 = (f"{'safe' if advice.bfloat16_safe else 'not safe'}: its largest 16-bit value keeps "
                 f"{_bits(advice.bfloat16_headroom_bits)} doublings of headroom and "
