@@ -65,7 +65,8 @@ def test_vit_digits_quick(tmp_path):
     assert (tmp_path / "model.keras").exists()
 
 
-def test_reversal_examples_reverse_each_sequence_and_teacher_force_it():
+def test_reversal_examples_reverse_each_sequence_and_teacher_force_it(monkeypatch):
+    monkeypatch.syspath_prepend(REPO)  # Imported as the CLI imports it: from the repository root.
     from experiments.t5_reverse import NUM_SPECIAL, PAD, START, reversal_examples
 
     arrays = reversal_examples(64, num_symbols=5, seq_len=8, rng=np.random.default_rng(0))

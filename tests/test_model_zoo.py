@@ -7,6 +7,8 @@ updates by the compiled step on one fixed batch, and must: run, apply its update
 start within 16-bit rounding of the float32 loss, and compute its body in the policy's dtype.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -219,11 +221,13 @@ T5_ATTENTION = ["t5/transformer_decoder_layer_0/cross_attention",
                 "t5/transformer_encoder_layer_0/self_attention"]
 
 
-def test_t5_trains_with_the_default_settings_under_every_policy(tmp_path):
+def test_t5_trains_with_the_default_settings_under_every_policy(tmp_path, monkeypatch):
     """keras-hub T5 (encoder-decoder) through the Trainer with no precision setting: its attention
     adds `(1 - mask) * -1e9`, NaN in float16, so float16's default probe must move exactly its
     attention layers (not the backbone) before the first update; nothing skips, and every policy
     ends where float32 does."""
+    # The experiment, imported as the CLI imports it: from the repository root.
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from experiments import t5_reverse
     from mixloop.cli import import_trainer
 
