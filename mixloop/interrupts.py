@@ -9,6 +9,7 @@ with its own (checkpoint, then a clean exit); every command disarms them when it
 tools write their files (--output) last, so an interrupted one has written nothing.
 """
 
+import os
 import signal
 import sys
 from typing import Optional
@@ -57,6 +58,8 @@ class _QuietExit:
         self.when = when
 
     def __call__(self, signal_number: int, frame) -> None:
-        print(f"error: interrupted by {signal.Signals(signal_number).name} {self.when}; nothing "
-              "was written", file=sys.stderr, flush=True)
+        # Straight to the descriptor: the signal can come while this thread is inside a write to
+        # sys.stderr, whose buffer then refuses a second writer ("reentrant call").
+        os.write(2, f"error: interrupted by {signal.Signals(signal_number).name} {self.when}; "
+                    "nothing was written\n".encode())
         raise SystemExit(128 + signal_number)

@@ -1,7 +1,9 @@
 """The commands' shared pieces, in-process: default workdirs, fitting a shortened run, and the
 one-line refusals and startup interrupts (their CLI runs are in test_train_cli.py)."""
 
+import io
 import logging
+import os
 import signal
 import sys
 
@@ -80,3 +82,37 @@ def test_disarming_gives_back_pythons_handlers(monkeypatch):
     finally:
         for number, handler in before.items():
             signal.signal(number, handler)
+
+
+class _SignallingRaw(io.RawIOBase):
+    """A stream whose first write is interrupted by SIGTERM, as a terminal's can be by Ctrl-C."""
+
+    signalled = False
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        if not self.signalled:
+            self.signalled = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return len(data)
+
+
+def test_a_signal_during_a_write_to_stderr_is_still_one_line(monkeypatch, capfd):
+    """The handler runs inside the interrupted write, while sys.stderr's buffer is taken: it must
+    not write through it (RuntimeError: reentrant call, and a traceback)."""
+    monkeypatch.setattr(sys, "argv", ["-m"])
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "mixloop.train"])
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(io.BufferedWriter(_SignallingRaw())))
+    before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        interrupts.exit_quietly_while_starting()
+        with pytest.raises(SystemExit) as exit_:
+            print("building the model", file=sys.stderr, flush=True)
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+    assert exit_.value.code == 128 + signal.SIGTERM
+    assert capfd.readouterr().err == (
+        "error: interrupted by SIGTERM before training started; nothing was written\n")
