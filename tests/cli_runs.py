@@ -8,22 +8,46 @@ import signal
 import subprocess
 import sys
 
+import command_server
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
 
 
-def command_line(command, *args, prefix=()):
+FRESH_PROCESSES = os.environ.get("MIXLOOP_TESTS_FRESH_PROCESSES") == "1"
+
+
+def command_line(command, *args, prefix=(), env=None):
     """The command line and environment of `python -m <command> args`, run via `prefix`, with the
-    tests' experiments importable."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+    tests' experiments importable and `env` added."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}),
                PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
     return [*prefix, sys.executable, "-m", command, *args], env
 
 
-def run(command, *args, cwd=None, prefix=()):
-    """Runs `python -m <command> args` to its end; its exit code, stdout and stderr."""
-    line, env = command_line(command, *args, prefix=prefix)
-    return subprocess.run(line, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+def start(command, *args, cwd=None, env=None, stdout=None, stderr=subprocess.PIPE, fresh=False):
+    """Starts `python -m <command> args` (text streams, stdin empty): forked from the fork server,
+    which has TensorFlow imported already, unless `fresh` or MIXLOOP_TESTS_FRESH_PROCESSES=1 asks for
+    a new interpreter (what a test of the import itself needs)."""
+    line, env = command_line(command, *args, env=env)
+    if fresh or FRESH_PROCESSES:
+        return subprocess.Popen(line, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
+                                stderr=stderr, text=True)
+    return command_server.ServedProcess([command, *args], env, str(cwd or os.getcwd()), stdout, stderr)
+
+
+def run(command, *args, cwd=None, prefix=(), env=None, fresh=False):
+    """Runs `python -m <command> args` to its end (via `prefix`: in a fresh interpreter); its exit
+    code, stdout and stderr."""
+    if prefix:
+        line, env = command_line(command, *args, prefix=prefix, env=env)
+        return subprocess.run(line, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    process = start(command, *args, cwd=cwd, env=env, stdout=subprocess.PIPE, fresh=fresh)
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def error_lines(result):
@@ -50,8 +74,7 @@ def checkpoint_steps(workdir):
 def interrupted(command, *args, signal_number=signal.SIGINT, after=""):
     """Runs `python -m <command> args`, sends it `signal_number` once a line of its stderr contains
     `after`, and returns its exit code and the stderr that followed."""
-    line, env = command_line(command, *args)
-    process = subprocess.Popen(line, stderr=subprocess.PIPE, text=True, env=env)
+    process = start(command, *args)
     try:
         while (output := process.stderr.readline()) and after not in output:
             pass

@@ -10,9 +10,8 @@ import logging
 import math
 import os
 import shutil
-import subprocess
-import sys
 
+import cli_runs
 import faulty_experiment
 import hot_experiment
 import keras
@@ -425,13 +424,9 @@ def test_the_default_probe_is_skipped_where_it_cannot_run_and_says_so(tmp_path, 
 
 @pytest.mark.slow
 def test_cli_places_and_scales_the_hot_experiment(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run(
-        [sys.executable, "-m", "mixloop.train", f"--config={TESTS_DIR}/hot_experiment.py",
-         f"--workdir={tmp_path}", "--config.precision.initial_scale=auto",
-         "--config.precision.float32_layers=auto"],
-        capture_output=True, text=True, env=env, timeout=300)
+    result = cli_runs.run(
+        "mixloop.train", f"--config={TESTS_DIR}/hot_experiment.py", f"--workdir={tmp_path}",
+        "--config.precision.initial_scale=auto", "--config.precision.float32_layers=auto")
     assert result.returncode == 0, result.stderr
     assert "precision.float32_layers=auto: probed 2 train batches" in result.stderr
     assert "--config.precision.float32_layers='hot|squash'" in result.stderr

@@ -5,9 +5,8 @@ import glob
 import logging
 import os
 import re
-import subprocess
-import sys
 
+import cli_runs
 import faulty_experiment
 import numpy as np
 import pytest
@@ -198,11 +197,8 @@ def test_batch_dimensions_that_do_not_fit(element_spec, message):
                                     r"drop_remainder=True"),
 ])
 def test_the_command_line_prints_one_line(tmp_path, knob, line):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-m", "mixloop.train", f"--config={FAULTY_CONFIG}",
-                             f"--workdir={tmp_path / 'run'}", f"--config.{knob}"],
-                            capture_output=True, text=True, env=env, timeout=300)
+    result = cli_runs.run("mixloop.train", f"--config={FAULTY_CONFIG}",
+                          f"--workdir={tmp_path / 'run'}", f"--config.{knob}")
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert re.fullmatch(line + ".*", last), result.stderr

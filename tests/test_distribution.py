@@ -3,9 +3,8 @@
 import json
 import os
 import socket
-import subprocess
-import sys
 
+import cli_runs
 import keras
 import numpy as np
 import pytest
@@ -194,20 +193,17 @@ def checkpoint_weights(directory):
 
 @pytest.mark.slow
 def test_two_worker_processes_match_a_single_process(tmp_path):
-    args = [sys.executable, "-m", "mixloop.train", f"--config={TESTS_DIR}/tiny_experiment.py",
+    args = ["mixloop.train", f"--config={TESTS_DIR}/tiny_experiment.py",
             "--config.model.dropout=0.0", "--config.train.num_steps=20",
             "--config.deterministic=True", "--config.precision.policy=float32"]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
     workers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     processes = []
     for index in range(2):
         tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        processes.append(subprocess.Popen(
-            args + [f"--workdir={tmp_path / 'cluster'}", "--config.distribution=multi_worker"],
-            env=dict(env, TF_CONFIG=json.dumps(tf_config)), stderr=subprocess.PIPE, text=True))
-    single = subprocess.run(args + [f"--workdir={tmp_path / 'single'}"], env=env,
-                            capture_output=True, text=True, timeout=300)
+        processes.append(cli_runs.start(
+            *args, f"--workdir={tmp_path / 'cluster'}", "--config.distribution=multi_worker",
+            env={"TF_CONFIG": json.dumps(tf_config)}))
+    single = cli_runs.run(*args, f"--workdir={tmp_path / 'single'}")
     try:
         outputs = [p.communicate(timeout=300)[1] for p in processes]
     finally:

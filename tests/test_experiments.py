@@ -3,9 +3,9 @@
 import importlib
 import os
 import re
-import subprocess
 import sys
 
+import cli_runs
 import numpy as np
 import pytest
 
@@ -17,9 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_cli(*args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.run([sys.executable, "-m", "mixloop.train", *args], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=300)
+    return cli_runs.run("mixloop.train", *args, cwd=REPO)
 
 
 def last_eval(stderr):

@@ -5,10 +5,10 @@ import glob
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
+import cli_runs
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -27,12 +27,8 @@ class Run:
     """`python -m mixloop.train` on the faulty experiment, with its stderr read as it comes."""
 
     def __init__(self, workdir, *flags):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-                   PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "mixloop.train", f"--config={FAULTY_CONFIG}",
-             f"--workdir={workdir}", *RUN_FLAGS, *flags],
-            env=env, stderr=subprocess.PIPE, text=True)
+        self.process = cli_runs.start("mixloop.train", f"--config={FAULTY_CONFIG}",
+                                      f"--workdir={workdir}", *RUN_FLAGS, *flags)
         self.lines = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -143,27 +139,23 @@ def test_sigkill_keeps_the_cadence_of_an_objective_every_5_steps(tmp_path):
     resumed, the run goes on with the generator's updates at 50, 55, ... and ends bit-identical to
     a straight run (its optimizer iterations, slots and loss scale included)."""
     repo = os.path.dirname(TESTS_DIR)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 
     def command(workdir):
         # Without XLA: the cadence does not depend on the compile mode, and the runs start in 12 s
         # instead of 17 (XLA compiles the penalty's double backward).
-        return [sys.executable, "-m", "mixloop.train", "--config=experiments/wgan_gp_digits.py:quick",
+        return ["mixloop.train", "--config=experiments/wgan_gp_digits.py:quick",
                 f"--workdir={workdir}", "--config.checkpoint.every_steps=48", "--config.jit_compile=False"]
 
-    straight = subprocess.run(command(tmp_path / "straight"), env=env, cwd=repo, capture_output=True,
-                              text=True, timeout=300)
+    straight = cli_runs.run(*command(tmp_path / "straight"), cwd=repo)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = subprocess.Popen(command(tmp_path / "killed"), env=env, cwd=repo,
-                              stderr=subprocess.DEVNULL)
+    killed = cli_runs.start(*command(tmp_path / "killed"), cwd=repo, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while not glob.glob(str(tmp_path / "killed" / "checkpoints" / "ckpt-48.index")):
         assert killed.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
     killed.kill()
     killed.wait(timeout=60)
-    resumed = subprocess.run(command(tmp_path / "killed"), env=env, cwd=repo, capture_output=True,
-                             text=True, timeout=300)
+    resumed = cli_runs.run(*command(tmp_path / "killed"), cwd=repo)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Restored {tmp_path / 'killed' / 'checkpoints' / 'ckpt-48'}" in resumed.stderr
     state = final_state(tmp_path / "killed")

@@ -4,15 +4,14 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 
 import hooks_experiment
 import pytest
 import slow_start_experiment
 
-from cli_runs import (TESTS_DIR, TINY_CONFIG, checkpoint_steps, command_line, error_lines,
-                      interrupted, run, snapshot, without_root_file_access)
+from cli_runs import (TESTS_DIR, TINY_CONFIG, checkpoint_steps, error_lines, interrupted, run,
+                      snapshot, start, without_root_file_access)
 
 HOOKS_CONFIG = hooks_experiment.__file__
 FAULTY_CONFIG = os.path.join(TESTS_DIR, "faulty_experiment.py")
@@ -330,8 +329,8 @@ def test_an_interrupted_startup_is_one_line_and_writes_nothing(tmp_path, signal_
     before importing TensorFlow), SIGTERM while the experiment builds its model."""
     workdir = tmp_path / "run"
     config = TINY_CONFIG if signal_number == signal.SIGINT else slow_start_experiment.__file__
-    command, env = command_line("mixloop.train", f"--config={config}", f"--workdir={workdir}")
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    # A fresh interpreter: the SIGINT comes while it imports TensorFlow.
+    process = start("mixloop.train", f"--config={config}", f"--workdir={workdir}", fresh=True)
     try:
         if signal_number == signal.SIGINT:  # Python alone catches only SIGINT.
             while process.poll() is None and not _catches(process.pid, signal.SIGTERM):
