@@ -26,6 +26,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 DISTRIBUTIONS = ("auto", "one_device", "mirrored", "multi_worker", "tpu")
 AUTO = "auto"  # jit_compile, precision.float32_layers and precision.initial_scale: found by a probe.
+ELEMENTWISE = "elementwise"  # jit_compile: graph kernels, with XLA fusing the elementwise ops.
 DEFAULT_INITIAL_SCALE = 2.0**15
 
 
@@ -39,9 +40,10 @@ def base_config() -> ml_collections.ConfigDict:
     config.trainer = ""  # Import path of the Trainer subclass, "package.module.ClassName".
     config.seed = 0  # Seeds Python, NumPy, TensorFlow and Keras.
     config.deterministic = False  # Deterministic kernels: a resumed run ends bit-identical.
-    # Compile the train step with XLA: True, False (TensorFlow's graph kernels), or "auto": the faster
-    # of the two, timed at the start of a run of 250 updates or more (XLA for a shorter one; several
-    # replicas: without XLA); config.json records the choice and a resume keeps it.
+    # Compile the train step with XLA: True, False (TensorFlow's graph kernels), "elementwise" (graph
+    # kernels for the matrix products and convolutions, XLA fusing the elementwise ops), or "auto":
+    # the fastest of the three, timed at the start of a run of 250 updates or more (XLA for a shorter
+    # one; several replicas: without XLA); config.json records the choice and a resume keeps it.
     config.jit_compile = FieldReference(AUTO, field_type=object)
     config.distribution = "auto"  # auto, one_device, mirrored, multi_worker (TF_CONFIG) or tpu.
 
@@ -186,8 +188,9 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
     p, t, o = config.precision, config.train, config.optimizer
     _require(isinstance(config.trainer, str) and bool(config.trainer), "trainer", config.trainer,
              "the import path of a Trainer subclass, e.g. 'experiments.charlm.CharLMTrainer'")
-    _require(isinstance(config.jit_compile, bool) or config.jit_compile == AUTO, "jit_compile",
-             config.jit_compile, "True, False, or 'auto' (the faster, measured at the start)")
+    _require(isinstance(config.jit_compile, bool) or config.jit_compile in (AUTO, ELEMENTWISE),
+             "jit_compile", config.jit_compile,
+             "True, False, 'elementwise' or 'auto' (the fastest, measured at the start)")
     _require(config.distribution in DISTRIBUTIONS, "distribution", config.distribution,
              f"one of {', '.join(DISTRIBUTIONS)}")
     _require(p.policy == "auto" or _parses_as_policy(p.policy), "precision.policy", p.policy,

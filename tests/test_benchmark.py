@@ -30,23 +30,30 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
     report = json.loads(output.read_text())
     names = [row["name"] for row in report["variants"]]
     # jit_compile=auto: the configured run (mixed_float16) in the mode the probe picked; every
-    # policy in both modes; each variant named by what differs from the configured run.
+    # policy in the three modes; each variant named by what differs from the configured run.
     auto = report["auto_compile_mode"]
-    xla, other = auto["xla"], f"jit_compile={not auto['xla']}"
-    assert auto["examples_per_sec"]["xla"] > 0 and auto["examples_per_sec"]["graph"] > 0
-    assert auto["xla"] is (auto["examples_per_sec"]["xla"] > auto["examples_per_sec"]["graph"])
-    assert names == ["keras-fit", "keras-fit-tuned", "bare", f"bare {other}", "mixloop",
-                     "mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
-                     "mixloop accumulation_steps=8", f"mixloop accumulation_steps=1 {other}",
-                     f"mixloop {other}", *[f"mixloop policy=float32{mode}" for mode in (
-                         ["", f" {other}"] if xla else [f" {other}", ""])],
-                     *[f"mixloop policy=mixed_bfloat16{mode}" for mode in (
-                         ["", f" {other}"] if xla else [f" {other}", ""])],
+    speeds, chosen = auto["examples_per_sec"], auto["mode"]
+    modes = {"xla": True, "graph": False, "elementwise": "elementwise"}
+    assert set(speeds) == set(modes) and all(speed > 0 for speed in speeds.values())
+    assert speeds[next(key for key, mode in modes.items() if mode == chosen)] == max(speeds.values())
+    others = [f"jit_compile={mode}" for mode in modes.values() if mode != chosen]
+
+    def in_every_mode(name):
+        return [name + ("" if mode == chosen else f" jit_compile={mode}") for mode in modes.values()]
+
+    assert names == ["keras-fit", "keras-fit-tuned", "bare", *[f"bare {o}" for o in others],
+                     "mixloop", "mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
+                     "mixloop accumulation_steps=8",
+                     *[name for o in others
+                       for name in (f"mixloop accumulation_steps=1 {o}", f"mixloop {o}")],
+                     *in_every_mode("mixloop policy=float32"),
+                     *in_every_mode("mixloop policy=mixed_bfloat16"),
                      "mixloop loss_scale=none", "mixloop ema_decay=0.999", "mixloop +metric"]
     # XLA: fit leaves it off on a CPU, the tuned fit turns it on, the rest as the probe picked
-    # unless named for the other mode.
+    # unless named for another mode.
+    named = {f"jit_compile={mode}": mode for mode in modes.values()}
     assert [row["xla"] for row in report["variants"]] == [False, True] + [
-        (not xla) if other in name else xla for name in names[2:]]
+        named.get(name.rpartition(" ")[2], chosen) for name in names[2:]]
     assert report["repeats"] == 3 and report["quick"] is True
     assert report["updates_per_repeat"] == 5 and report["examples_per_repeat"] == 5 * 32
     for row in report["variants"]:
@@ -60,7 +67,7 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
     assert "| variant | policy | accumulation | loss scale | XLA | examples/s |" in result.stdout
     assert [line.split("|")[1].strip() for line in table if line.startswith("| ")][1:] == names
     assert "mixloop/keras-fit" in table[-1] and "k8/k1" in table[-1]
-    assert table[-3].startswith("16-bit vs float32, each in its faster compile mode: mixed_bfloat16 ")
+    assert table[-3].startswith("16-bit vs float32, each in its fastest compile mode: mixed_bfloat16 ")
     assert "jit_compile=auto picks" in table[-3]
 
 
@@ -74,19 +81,19 @@ def test_a_variant_that_does_not_fit_is_one_line_and_exit_2():
     assert "Traceback" not in result.stderr
 
 
+def _in_three_modes(name):
+    return [name, f"{name} jit_compile=False", f"{name} jit_compile=elementwise"]
+
+
 @pytest.mark.parametrize("policy, loss_scale, expected", [
-    ("mixed_float16", "dynamic", ["mixloop policy=float32", "mixloop policy=float32 jit_compile=False",
-                                  "mixloop policy=mixed_bfloat16",
-                                  "mixloop policy=mixed_bfloat16 jit_compile=False",
+    ("mixed_float16", "dynamic", [*_in_three_modes("mixloop policy=float32"),
+                                  *_in_three_modes("mixloop policy=mixed_bfloat16"),
                                   "mixloop loss_scale=none"]),
-    ("mixed_bfloat16", "dynamic", ["mixloop policy=float32", "mixloop policy=float32 jit_compile=False",
-                                   "mixloop policy=mixed_float16",
-                                   "mixloop policy=mixed_float16 jit_compile=False",
+    ("mixed_bfloat16", "dynamic", [*_in_three_modes("mixloop policy=float32"),
+                                   *_in_three_modes("mixloop policy=mixed_float16"),
                                    "mixloop policy=mixed_float16 loss_scale=none"]),
-    ("float32", "none", ["mixloop policy=mixed_float16",
-                         "mixloop policy=mixed_float16 jit_compile=False",
-                         "mixloop policy=mixed_bfloat16",
-                         "mixloop policy=mixed_bfloat16 jit_compile=False",
+    ("float32", "none", [*_in_three_modes("mixloop policy=mixed_float16"),
+                         *_in_three_modes("mixloop policy=mixed_bfloat16"),
                          "mixloop policy=mixed_float16 loss_scale=dynamic"]),
 ])
 def test_variations_change_settings_and_skip_what_the_configured_run_measures(
@@ -96,8 +103,10 @@ def test_variations_change_settings_and_skip_what_the_configured_run_measures(
     config.jit_compile = True
     names = list(benchmark.mixloop_configs(config))
     accumulation = ["mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
-                    "mixloop accumulation_steps=8", "mixloop accumulation_steps=1 jit_compile=False",
-                    "mixloop jit_compile=False"]
+                    "mixloop accumulation_steps=8",
+                    "mixloop accumulation_steps=1 jit_compile=False", "mixloop jit_compile=False",
+                    "mixloop accumulation_steps=1 jit_compile=elementwise",
+                    "mixloop jit_compile=elementwise"]
     assert names == ["mixloop", *accumulation, *expected]
 
 

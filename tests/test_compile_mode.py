@@ -1,6 +1,7 @@
 """jit_compile="auto": the probe's choice (with its measurement pinned), its record, and a run it
 leaves exactly as a run configured in the chosen mode."""
 
+import collections
 import json
 import os
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tiny_experiment
+from tensorflow.python.eager import context
 
 from mixloop.runner import compile_mode
 
@@ -24,9 +26,11 @@ def make_trainer(workdir, **overrides):
 @pytest.fixture
 def pinned_speeds(monkeypatch):
     """The probe measures every run, however short, and sees the speeds the test sets: seconds per
-    loop by mode ({True: XLA, False: graph}). The loops still run. Yields the modes timed."""
+    loop by mode ({True: XLA, False: graph, "elementwise": graph with XLA fusing elementwise ops};
+    unless a test says otherwise, "elementwise" is the slowest). The loops still run. Yields the
+    modes timed."""
     monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
-    seconds, timed = {True: 1.0, False: 1.0}, []
+    seconds, timed = {True: 1.0, False: 1.0, "elementwise": 10.0}, []
 
     def seconds_of_loop(trainer, num_updates):
         trainer.train_loop(num_updates)
@@ -44,32 +48,36 @@ def resolved(workdir):
     return {key: value for key, value in record.items() if key == compile_mode.KEY}
 
 
-@pytest.mark.parametrize("xla_seconds, graph_seconds, expected", [(5.0, 1.0, False), (1.0, 5.0, True)])
-def test_auto_picks_the_faster_mode_and_records_it(tmp_path, pinned_speeds, xla_seconds,
-                                                   graph_seconds, expected):
+@pytest.mark.parametrize("mode_seconds, expected", [
+    ((5.0, 1.0, 5.0), False), ((1.0, 5.0, 5.0), True), ((5.0, 5.0, 1.0), "elementwise")])
+def test_auto_picks_the_fastest_mode_and_records_it(tmp_path, pinned_speeds, mode_seconds, expected):
     seconds, timed = pinned_speeds
-    seconds.update({True: xla_seconds, False: graph_seconds})
+    seconds.update(zip((True, False, "elementwise"), mode_seconds))
     trainer = make_trainer(tmp_path)
     trainer.train()
-    assert trainer.jit_compile is expected and trainer.train_step.jit_compile is expected
+    assert trainer.jit_compile == expected
+    assert trainer.train_step.jit_compile is (expected is True)  # Else the graph-mode step.
     # tiny_experiment accumulates 2 micro-batches: XLA compiles the loop's body.
-    assert getattr(trainer.train_step._body("add_micro_batch"), "_jit_compile", False) is expected
-    assert sorted(set(timed)) == [False, True] and timed.count(True) == timed.count(False)
+    assert getattr(trainer.train_step._body("add_micro_batch"), "_jit_compile",
+                   False) is (expected is True)
+    assert set(timed) == {True, False, "elementwise"}
+    assert timed.count(True) == timed.count(False) == timed.count("elementwise")
     assert resolved(tmp_path) == {"jit_compile": expected}
     # The probe's trace of the chosen loop and step is the one the run goes on with.
     assert trainer._train_loop.experimental_get_tracing_count() == 1
     assert trainer.train_step._compiled.experimental_get_tracing_count() == 1
 
 
-@pytest.mark.parametrize("xla_seconds, graph_seconds, chosen", [(5.0, 1.0, False), (1.0, 5.0, True)])
+@pytest.mark.parametrize("mode_seconds, chosen", [
+    ((5.0, 1.0, 5.0), False), ((1.0, 5.0, 5.0), True), ((5.0, 5.0, 1.0), "elementwise")])
 def test_the_probe_leaves_the_run_bit_identical_to_one_configured_in_the_chosen_mode(
-        tmp_path, pinned_speeds, xla_seconds, graph_seconds, chosen):
-    pinned_speeds[0].update({True: xla_seconds, False: graph_seconds})
+        tmp_path, pinned_speeds, mode_seconds, chosen):
+    pinned_speeds[0].update(zip((True, False, "elementwise"), mode_seconds))
     probed = make_trainer(tmp_path / "auto")
     probed_metrics = probed.train()
     explicit = make_trainer(tmp_path / "explicit", jit_compile=chosen)
     explicit_metrics = explicit.train()
-    assert probed.jit_compile is chosen
+    assert probed.jit_compile == chosen
     assert int(probed.global_step.numpy()) == int(explicit.global_step.numpy()) == 20
     for a, b in zip(probed.model.get_weights(), explicit.model.get_weights()):
         np.testing.assert_array_equal(a, b)
@@ -116,15 +124,38 @@ def test_a_deterministic_run_is_not_timed(tmp_path, pinned_speeds):
     assert trainer.jit_compile is True and timed == []  # XLA, as for a short run.
 
 
-@pytest.mark.parametrize("jit_compile", [True, False])
+@pytest.mark.parametrize("jit_compile", [True, False, "elementwise"])
 def test_an_explicit_mode_is_never_probed_or_overridden(tmp_path, pinned_speeds, jit_compile):
     seconds, timed = pinned_speeds
-    seconds.update({jit_compile: 5.0, not jit_compile: 1.0})  # The other mode would be faster.
+    seconds.update({mode: 5.0 if mode == jit_compile else 1.0 for mode in seconds})  # Others win.
     trainer = make_trainer(tmp_path, jit_compile=jit_compile)
     trainer.train()
-    assert trainer.jit_compile is jit_compile and timed == []
-    assert getattr(trainer.train_step._body("add_micro_batch"), "_jit_compile", False) is jit_compile
+    assert trainer.jit_compile == jit_compile and timed == []
+    assert getattr(trainer.train_step._body("add_micro_batch"), "_jit_compile",
+                   False) is (jit_compile is True)
     assert resolved(tmp_path) == {}
+
+
+def _optimized_ops(trainer, num_updates):
+    """How many of each op the graphs TensorFlow ran for `num_updates` updates hold, as optimized."""
+    context.enable_run_metadata()
+    try:
+        trainer.train_loop(num_updates)
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    return collections.Counter(node.op for graph in metadata.function_graphs
+                               for node in graph.post_optimization_graph.node)
+
+
+@pytest.mark.parametrize("jit_compile, fused", [("elementwise", True), (False, False)])
+def test_elementwise_mode_fuses_with_xla_and_leaves_the_matrix_products_to_tensorflow(
+        tmp_path, jit_compile, fused):
+    """What "elementwise" is for: the matrix products stay TensorFlow's kernels (oneDNN's bfloat16
+    on a CPU), while XLA clusters the rest; the same step without it has no cluster."""
+    ops = _optimized_ops(make_trainer(tmp_path, jit_compile=jit_compile), 2)
+    assert (ops["_XlaCompile"] > 0 and ops["_XlaRun"] > 0) is fused
+    assert sum(count for op, count in ops.items() if "MatMul" in op) > 0
 
 
 def test_a_short_run_takes_xla_unprobed_and_several_replicas_graph_mode(tmp_path):

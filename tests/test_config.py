@@ -83,15 +83,15 @@ def test_explicit_policy_strings_are_accepted():
     validate(config)
 
 
-def test_jit_compile_is_true_false_or_auto_by_default():
+def test_jit_compile_is_true_false_elementwise_or_auto_by_default():
     config = valid_config()
     assert config.jit_compile == "auto"
-    for value in (True, False, "auto"):
+    for value in (True, False, "elementwise", "auto"):
         config.jit_compile = value
         validate(config)
     for value in ("yes", None):
         config.jit_compile = value
-        with pytest.raises(ConfigError, match=r"config.jit_compile=.* is not allowed: True, False, or 'auto'"):
+        with pytest.raises(ConfigError, match=r"config.jit_compile=.* is not allowed: True, False, 'elementwise' or 'auto'"):
             validate(config)
 
 

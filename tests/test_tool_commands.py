@@ -19,7 +19,7 @@ def tool_args(command, tmp_path):
 
 
 @pytest.mark.parametrize("command, signal_number, after, when", [
-    ("mixloop.benchmark", signal.SIGINT, "Timing both compile modes", "before the benchmark finished"),
+    ("mixloop.benchmark", signal.SIGINT, "Timing the compile modes", "before the benchmark finished"),
     # The doctor on a model whose build waits: a diagnosis of the tiny model can end before a
     # signal sent by a busy test process arrives.
     ("mixloop.diagnose", signal.SIGTERM, slow_start_experiment.BUILDING, "before the diagnosis finished"),

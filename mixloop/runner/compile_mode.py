@@ -1,10 +1,13 @@
-"""Which compile mode the train step runs in: XLA or TensorFlow's graph kernels, configured or measured.
+"""Which compile mode the train step runs in: XLA, TensorFlow's graph kernels, or both, configured or measured.
 
-`config.jit_compile` is True (XLA), False (graph mode: TensorFlow's own kernels, oneDNN on a CPU) or
-"auto" (the default). Neither mode wins everywhere: XLA fuses the many small ops of a step, which
-pays on GPUs and for small models, while on a CPU with AVX512_BF16 only TensorFlow's own kernels
-multiply bfloat16 matrices at the hardware's speed (XLA on a CPU does not use those instructions)
-and TensorFlow's float16 convolutions on a CPU are slow. So "auto" measures::
+`config.jit_compile` is True (XLA), False (graph mode: TensorFlow's own kernels, oneDNN on a CPU),
+"elementwise" (graph mode whose elementwise and reduction ops XLA fuses, while TensorFlow's kernels
+keep the matrix products and convolutions) or "auto" (the default). No mode wins everywhere: XLA
+fuses the many small ops of a step, which pays on GPUs and for small models, while on a CPU with
+AVX512_BF16 only TensorFlow's own kernels multiply bfloat16 matrices at the hardware's speed (XLA on
+a CPU does not use those instructions) and TensorFlow's float16 convolutions on a CPU are slow;
+"elementwise" takes each side's strength (TensorFlow's auto-clustering limited to
+`--tf_xla_ops_to_cluster=FUSIBLE`, turned on for the train loop's calls alone). So "auto" measures::
 
     several replicas: without XLA, no probe (the step calls `strategy.run`, which XLA does not
         compile here)
@@ -17,29 +20,39 @@ and TensorFlow's float16 convolutions on a CPU are slow. So "auto" measures::
     otherwise, the probe, before the first real update:
         save everything a checkpoint holds (weights, optimizer, scales, counters, the data position)
             to a temporary folder in the workdir
-        per mode: trace and compile the loop (one update), then time loops of a few updates each,
-            the modes interleaved, on the run's own batches
+        per mode (the three): trace and compile the loop (one update), then time loops of a few
+            updates each, the modes interleaved, on the run's own batches
         restore it all: the run's numbers and data order are those of a run without the probe (a
             second iterator would not do: over a dataset that reshuffles, it moves the shuffle seed)
-        keep the faster mode's compiled loop; log both speeds and the probe's cost; record the
+        keep the fastest mode's compiled loop; log the speeds and the probe's cost; record the
             choice, and what it was measured for, in config.json's `resolved` record
-    a mode that fails in the probe: XLA without a kernel for an op, or out of memory: the other
-        mode; any other error (of the data, say): that mode, so the run meets it and reports it
+    a mode that fails in the probe: XLA without a kernel for an op, or out of memory: graph mode
+        (XLA in graph mode's place); any other error (of the data, say): that mode, so the run
+        meets it and reports it
+
+The auto-clustering filter is TensorFlow's `TF_XLA_FLAGS`, read once per process when TensorFlow
+first optimizes a function: importing this module adds `--tf_xla_ops_to_cluster=FUSIBLE` (unless
+the variable names a filter already), which changes nothing until auto-clustering is on. A process
+that ran TensorFlow functions before importing mixloop has read the flags without it; there
+"elementwise" clusters the matrix products too (slower in 16 bits on a CPU), as the probe measures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Union
 
 import tensorflow as tf
 from absl import logging
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.eager import context
 
-from mixloop.config import ConfigError
+from mixloop.config import ELEMENTWISE, ConfigError
 from mixloop.runner import controller, workdir
 
 KEY = "jit_compile"  # Its config key, and its key in config.json's `resolved` record,
@@ -48,23 +61,59 @@ MIN_PROBED_UPDATES = 250  # Fewer updates left than this: XLA, unprobed (the pro
 PROBE_ROUNDS = 3  # Timed loops per mode, interleaved; the median counts.
 PROBE_SECONDS = 0.3  # Each timed loop runs about this long (more updates for a fast step)...
 MAX_PROBE_UPDATES = 20  # ...but no more updates than this.
+MODES = (True, False, ELEMENTWISE)
+Mode = Union[bool, str]
 
 
-def describe(jit_compile: bool) -> str:
-    """"with XLA" or "without XLA", as the log lines say it."""
-    return "with XLA" if jit_compile else "without XLA"
+def _cluster_elementwise_ops_only() -> None:
+    """Limits TensorFlow's auto-clustering (off unless a call turns it on) to the ops XLA fuses."""
+    flags = os.environ.get("TF_XLA_FLAGS", "")
+    if "--tf_xla_ops_to_cluster" not in flags:
+        os.environ["TF_XLA_FLAGS"] = f"{flags} --tf_xla_ops_to_cluster=FUSIBLE".strip()
 
 
-def configured(jit_compile: Any, num_replicas: int) -> tuple[Optional[bool], str]:
+_cluster_elementwise_ops_only()
+
+
+def describe(jit_compile: Mode) -> str:
+    """How the log lines name a mode."""
+    return ("with XLA fusing its elementwise ops" if jit_compile == ELEMENTWISE
+            else "with XLA" if jit_compile else "without XLA")
+
+
+@contextlib.contextmanager
+def calls_in(jit_compile: Optional[Mode]) -> Iterator[None]:
+    """Inside, the `tf.function` calls made (and traced) run in mode `jit_compile`'s graph options:
+    for "elementwise", TensorFlow's auto-clustering on, CPU included; else as they are. TensorFlow
+    has no public call for one call's options (`tf.config.optimizer.set_jit` is process-wide), so
+    this sets the eager context's (tests/test_compile_mode.py pins it)."""
+    if jit_compile != ELEMENTWISE:
+        yield
+        return
+    eager = context.context()
+    previous = eager.function_call_options
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(previous.config_proto_serialized)
+    config.graph_options.optimizer_options.global_jit_level = config_pb2.OptimizerOptions.ON_1
+    config.graph_options.optimizer_options.cpu_global_jit = True
+    eager.function_call_options = context.FunctionCallOptions(
+        executor_type=previous.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        eager.function_call_options = previous
+
+
+def configured(jit_compile: Any, num_replicas: int) -> tuple[Optional[Mode], str]:
     """(the mode `config.jit_compile` fixes, or None when the probe must decide; why).
 
     Raises:
-      ConfigError: for jit_compile=True with more than one replica.
+      ConfigError: for jit_compile=True or "elementwise" with more than one replica.
     """
-    if jit_compile is True and num_replicas > 1:
-        raise ConfigError("config.jit_compile=True is not supported with more than one replica yet; "
-                          "set it to False or 'auto'")
-    if isinstance(jit_compile, bool):
+    if jit_compile in (True, ELEMENTWISE) and num_replicas > 1:
+        raise ConfigError(f"config.jit_compile={jit_compile} is not supported with more than one "
+                          "replica yet; set it to False or 'auto'")
+    if jit_compile in MODES:
         return jit_compile, f"config.jit_compile={jit_compile}"
     if num_replicas > 1:
         return False, f"jit_compile=auto: {num_replicas} replicas, which XLA does not compile here"
@@ -80,7 +129,7 @@ def choose(trainer) -> bool:
     measured_for = _measured_for(trainer.config)
     resolved = workdir.read_resolved(trainer.workdir)
     recorded = resolved.get(KEY) if isinstance(resolved, dict) else None
-    if isinstance(recorded, bool) and resolved.get(MEASURED_FOR_KEY) == measured_for:
+    if recorded in MODES and resolved.get(MEASURED_FOR_KEY) == measured_for:
         trainer.set_jit_compile(recorded)
         logging.info("Train step %s: jit_compile=auto, as config.json records for this workdir",
                      describe(recorded))
@@ -99,17 +148,20 @@ def choose(trainer) -> bool:
         speeds, probe_seconds = measure(trainer)
     except tf.errors.OpError as error:
         failed = trainer.jit_compile
-        chosen = (not failed if isinstance(error, (tf.errors.UnimplementedError,
-                                                   tf.errors.ResourceExhaustedError)) else failed)
+        chosen = ((failed is False) if isinstance(error, (tf.errors.UnimplementedError,
+                                                          tf.errors.ResourceExhaustedError))
+                  else failed)
         trainer.set_jit_compile(chosen)
         logging.warning("Train step %s: jit_compile=auto could not time it %s: %s", describe(chosen),
                         describe(failed), controller.op_error_summary(error))
         return False
-    chosen = speeds[True] > speeds[False]
+    chosen = max(MODES, key=speeds.get)
     trainer.set_jit_compile(chosen)
-    logging.info("Train step %s: jit_compile=auto measured %.1f examples/s %s vs %.1f %s (probe: "
-                 "%.1f s, both modes compiled, state restored)", describe(chosen), speeds[chosen],
-                 describe(chosen), speeds[not chosen], describe(not chosen), probe_seconds)
+    others = [mode for mode in MODES if mode != chosen]
+    logging.info("Train step %s: jit_compile=auto measured %.1f examples/s vs %s (probe: %.1f s, "
+                 "the %d modes compiled, state restored)", describe(chosen), speeds[chosen],
+                 ", ".join(f"{speeds[mode]:.1f} {describe(mode)}" for mode in others),
+                 probe_seconds, len(MODES))
     if trainer.is_chief:
         workdir.record_resolved(trainer.workdir, {KEY: chosen, MEASURED_FOR_KEY: measured_for})
     return True
@@ -122,15 +174,15 @@ def _measured_for(config: Any) -> dict[str, Any]:
             "model": json.loads(json.dumps(config.model.to_dict(), default=str))}
 
 
-def measure(trainer) -> tuple[dict[bool, float], float]:
-    """The probe: ({XLA: examples/s, graph: examples/s}, its seconds), timed from the trainer's
+def measure(trainer) -> tuple[dict[Mode, float], float]:
+    """The probe: ({mode: examples/s} for each of MODES, its seconds), timed from the trainer's
     current state, which it leaves as it was (the benchmark reports it too)."""
     started = time.perf_counter()
     with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
         saved = trainer.save_state(os.path.join(directory, "state"))
         try:
             seconds = {}
-            for mode in (True, False):
+            for mode in MODES:
                 trainer.set_jit_compile(mode)
                 trainer.train_loop(1)  # Traces and compiles.
                 seconds[mode] = seconds_of_loop(trainer, 1)
@@ -138,9 +190,9 @@ def measure(trainer) -> tuple[dict[bool, float], float]:
             num_updates = {mode: max(1, min(MAX_PROBE_UPDATES,
                                             math.ceil(PROBE_SECONDS / max(seconds[mode], 1e-9))))
                            for mode in seconds}
-            rounds = {True: [], False: []}
+            rounds = {mode: [] for mode in MODES}
             for _ in range(PROBE_ROUNDS):
-                for mode in (True, False):
+                for mode in MODES:
                     trainer.set_jit_compile(mode)
                     before = int(trainer.global_step.numpy())
                     seconds_taken = seconds_of_loop(trainer, num_updates[mode])

@@ -72,7 +72,7 @@ class Trainer:
                 policy=self.policy,
                 accumulation_steps=config.train.accumulation_steps,
                 clip_global_norm=config.train.clip_global_norm or None,
-                jit_compile=self.jit_compile is not False,
+                jit_compile=self.jit_compile in (True, None),
                 input_fn=self.model_inputs,
                 ema_decay=config.train.ema_decay,
                 global_step=self.state.global_step,  # The step counts its updates here.
@@ -175,7 +175,8 @@ class Trainer:
         With jit_compile="auto" the first call decides the compile mode (`choose_compile_mode`)
         unless the controller did."""
         self.choose_compile_mode()
-        totals = self._train_loop(self.train_iterator, tf.constant(num_steps))
+        with compile_mode.calls_in(self.jit_compile):
+            totals = self._train_loop(self.train_iterator, tf.constant(num_steps))
         return tf.nest.map_structure(lambda value: value.numpy(), totals)
 
     def compile_loops(self) -> None:
@@ -193,11 +194,12 @@ class Trainer:
         whether the chosen loop is compiled already (the probe ran it)."""
         return compile_mode.choose(self)
 
-    def set_jit_compile(self, jit_compile: Optional[bool]) -> None:
-        """Runs the train step with XLA or without from the next loop on (each mode traced once;
-        None, undecided, until `choose_compile_mode`)."""
+    def set_jit_compile(self, jit_compile: Optional[compile_mode.Mode]) -> None:
+        """Runs the train step in compile mode `jit_compile` (`compile_mode.MODES`) from the next
+        loop on (each mode traced once; None, undecided, until `choose_compile_mode`)."""
         self.jit_compile = jit_compile
-        self.train_step.jit_compile = jit_compile is not False  # Until measured: XLA.
+        # Until measured: XLA. "elementwise" is the graph-mode step, called with clustering on.
+        self.train_step.jit_compile = jit_compile in (True, None)
         if jit_compile not in self._train_loops:
             self._train_loops[jit_compile] = tf.function(self._inner_loop)
         self._train_loop = self._train_loops[jit_compile]

@@ -10,16 +10,18 @@ times, in one process, the same optimizer updates on the same batches done sever
     keras-fit-tuned  the same with jit_compile=True and steps_per_execution=train.steps_per_loop
     bare             a hand-written tf.function loop: forward, loss, gradient, clipping and update in
                      the same precision, compiled as the Trainer's step; no loss scale, no
-                     accumulation, no metrics. The floor; `bare jit_compile=...` is the same in the
-                     other compile mode, the floor of the variants compiled that way
+                     accumulation, no metrics. The floor; `bare jit_compile=...` is the same in
+                     each other compile mode, the floor of the variants compiled that way
     mixloop          the configured Trainer's compiled inner loop, called as the outer loop calls it;
                      with jit_compile="auto", in the mode the run's own probe (`compile_mode`) picks
                      (measured here whatever the run's length: a run under 250 updates, or on a
                      Python generator's data, takes XLA without measuring)
     mixloop KEY=...  the same with settings changed: accumulation_steps 1, 4 and 8 (same global
-                     batch); policy float32, mixed_float16 and mixed_bfloat16, each with and without
-                     XLA; loss_scale dynamic and none in float16 (the only dtype where a dynamic scale
-                     does anything); jit_compile the other way round; ema_decay on (0.999) or off,
+                     batch), and 1 and 2 in each other compile mode; policy float32, mixed_float16
+                     and mixed_bfloat16, each in the three compile modes (XLA, graph, graph with XLA
+                     fusing the elementwise ops: `compile_mode`); loss_scale dynamic and none in
+                     float16 (the only dtype where a dynamic scale does anything); jit_compile each
+                     other way; ema_decay on (0.999) or off,
                      whichever it is not; with train.batch_loss, batch_loss=False (plain
                      accumulation, the loss per micro-batch) beside the two passes
     mixloop +metric  the configured run with one more train metric (the mean of the model's first
@@ -30,7 +32,7 @@ interleaved (A B C ... A B C ...), so a busy neighbour slows every variant alike
 `train.steps_per_loop` updates of `train.batch_size` examples (the same batches for every variant),
 timed with `perf_counter` until its last result is read back to the host. The table prints each
 variant's median examples/s and the median over repeats of its ratio to keras-fit and to the bare
-loop of its compile mode; then the headline: each 16-bit policy against float32, each in its faster
+loop of its compile mode; then the headline: each 16-bit policy against float32, each in its fastest
 compile mode, the mode `auto` picked, and the other ratios. `--output` writes the same as JSON to a
 new file, checked before the work (`cli.check_output`); Ctrl-C or SIGTERM is one line
 (`mixloop.interrupts`). The benchmark needs one replica.
@@ -67,17 +69,19 @@ from mixloop.runner import compile_mode, precision_setup
 REPEATS, QUICK_REPEATS = 5, 3
 QUICK_STEPS_PER_LOOP = 5  # --quick caps train.steps_per_loop (and so the updates per repeat) at this.
 ACCUMULATION_STEPS = (1, 2, 4, 8)
-OTHER_MODE_ACCUMULATION_STEPS = (1, 2)  # Also timed in the compile mode the run does not use.
+OTHER_MODE_ACCUMULATION_STEPS = (1, 2)  # Also timed in the compile modes the run does not use.
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 # The headline ratios, each a median over repeats of (numerator's examples/s / denominator's); a
-# policy's ratio to float32 compares each in its faster compile mode, at the configured accumulation.
+# policy's ratio to float32 compares each in its fastest compile mode, at the configured accumulation.
 POLICY_RATIOS = ("mixed_bfloat16/float32", "mixed_float16/float32")
 RATIOS = (*POLICY_RATIOS, "mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare",
-          "dynamic/none", "k8/k1", "k2/k1 with XLA", "k2/k1 without XLA", "ema/no-ema",
-          "metric/no-metric")
+          "dynamic/none", "k8/k1",
+          *(f"k2/k1 {compile_mode.describe(mode)}" for mode in compile_mode.MODES),
+          "ema/no-ema", "metric/no-metric")
 # With train.batch_loss, also: the two passes' examples/s over plain accumulation's (their cost's inverse).
 BATCH_LOSS_RATIO = "two-passes/plain"
 EMA_DECAY = 0.999  # The ema_decay of the EMA variant.
+_AUTO_KEYS = {"xla": True, "graph": False, "elementwise": compile_mode.ELEMENTWISE}  # JSON's names.
 EXTRA_METRIC = "benchmark_output_mean"  # The +metric variant's train metric.
 
 
@@ -89,7 +93,7 @@ class Variant:
     policy: str  # Keras policy name.
     accumulation_steps: int
     loss_scale: str  # The scale in effect: "dynamic", "none" or the static value.
-    xla: bool  # Whether the update is compiled with XLA.
+    xla: compile_mode.Mode  # How the update is compiled: XLA (True), graph (False), "elementwise".
     batch_loss: bool  # Whether the loss is on the whole batch (train.batch_loss: two passes).
     run_fn: Callable[[], None] = dataclasses.field(repr=False)  # One repeat, finished on the device.
     seconds: list[float] = dataclasses.field(default_factory=list)
@@ -164,15 +168,16 @@ def keras_fit_variant(trainer, data: tf.data.Dataset, *, tuned: bool) -> Variant
                    lambda: model.fit(epoch, verbose=0))
 
 
-def bare_variant(trainer, data: tf.data.Dataset, jit_compile: bool, name: str = "bare") -> Variant:
+def bare_variant(trainer, data: tf.data.Dataset, jit_compile: compile_mode.Mode,
+                 name: str = "bare") -> Variant:
     """The least any framework does: forward, loss, gradient, clipping, update, in a tf.function
-    loop, the step compiled with XLA or not."""
+    loop, the step compiled in mode `jit_compile`."""
     config, policy = trainer.config, trainer.policy
     model = layer_precision.build_model(trainer.build_model, policy,
                                         split_auto(config.precision.float32_layers)[1])
     optimizer = _with_clipping(trainer.build_optimizer(), config.train.clip_global_norm)
 
-    @tf.function(jit_compile=jit_compile)
+    @tf.function(jit_compile=jit_compile is True)
     def step(batch):
         with tf.GradientTape() as tape:
             outputs = forward(model, policy, trainer.model_inputs(batch), training=True)
@@ -190,8 +195,12 @@ def bare_variant(trainer, data: tf.data.Dataset, jit_compile: bool, name: str = 
 
     iterator = iter(data.repeat().prefetch(tf.data.AUTOTUNE))
     num_steps = tf.constant(config.train.steps_per_loop)
-    return Variant(name, policy.keras_name, 1, "none", jit_compile, False,
-                   lambda: loop(iterator, num_steps).numpy())
+
+    def run() -> None:
+        with compile_mode.calls_in(jit_compile):
+            loop(iterator, num_steps).numpy()
+
+    return Variant(name, policy.keras_name, 1, "none", jit_compile, False, run)
 
 
 def _with_data(trainer_class: type, data: tf.data.Dataset) -> type:
@@ -243,12 +252,14 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
         does not divide the batch size).
     """
     float16 = _float16_policy(config)
+    other_modes = _other_modes(config)
     changes = [{"train.accumulation_steps": k} for k in ACCUMULATION_STEPS]
-    changes += [{"train.accumulation_steps": k, "jit_compile": config.jit_compile is False}
-                for k in OTHER_MODE_ACCUMULATION_STEPS]
-    changes += [{"precision.policy": p, "jit_compile": m} for p in POLICIES for m in (True, False)]
+    changes += [{"train.accumulation_steps": k, "jit_compile": m}
+                for m in other_modes for k in OTHER_MODE_ACCUMULATION_STEPS]
+    changes += [{"precision.policy": p, "jit_compile": m} for p in POLICIES
+                for m in compile_mode.MODES]
     changes += [{"precision.policy": float16, "precision.loss_scale": s} for s in ("dynamic", "none")]
-    changes += [{"jit_compile": config.jit_compile is False}]
+    changes += [{"jit_compile": m} for m in other_modes]
     changes += [{"train.batch_loss": False}]  # Plain accumulation beside the two passes.
     configs, seen = {"mixloop": config}, [_settings(config)]
     for change in changes:
@@ -264,6 +275,11 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
             configs[name] = changed
             seen.append(_settings(changed))
     return configs
+
+
+def _other_modes(config: ml_collections.ConfigDict) -> list[compile_mode.Mode]:
+    """The compile modes other than the configured one (all three for "auto"), XLA first."""
+    return [mode for mode in compile_mode.MODES if mode != config.jit_compile]
 
 
 def _holder(config: ml_collections.ConfigDict, key: str) -> tuple[ml_collections.ConfigDict, str]:
@@ -290,7 +306,7 @@ def _changed(config: ml_collections.ConfigDict, change: dict[str, Any]) -> ml_co
 
 def build_variants(trainer, mixloop_configs: dict[str, ml_collections.ConfigDict],
                    workdir: str) -> list[Variant]:
-    """keras-fit, keras-fit-tuned, bare in both compile modes (the configured one first) and the
+    """keras-fit, keras-fit-tuned, bare in each compile mode (the configured one first) and the
     mixloop variants, all on the same fixed batches."""
     data = fixed_batches(trainer, trainer.config.train.steps_per_loop)
     xla = trainer.config.jit_compile
@@ -300,8 +316,9 @@ def build_variants(trainer, mixloop_configs: dict[str, ml_collections.ConfigDict
         variants = []
     else:
         variants = [keras_fit_variant(trainer, data, tuned=False),
-                    keras_fit_variant(trainer, data, tuned=True), bare_variant(trainer, data, xla),
-                    bare_variant(trainer, data, not xla, name=f"bare jit_compile={not xla}")]
+                    keras_fit_variant(trainer, data, tuned=True), bare_variant(trainer, data, xla)]
+        variants += [bare_variant(trainer, data, mode, name=f"bare jit_compile={mode}")
+                     for mode in _other_modes(trainer.config)]
     for name, config in mixloop_configs.items():
         variants.append(mixloop_variant(name, config, type(trainer), data, workdir))
     config = trainer.config
@@ -358,12 +375,12 @@ def time_interleaved(variants: list[Variant], repeats: int, examples_per_repeat:
 
 
 def floor_of(variant: Variant, variants: list[Variant]) -> Optional[Variant]:
-    """The bare loop compiled as `variant` is (with XLA or not); None without bare variants."""
+    """The bare loop compiled as `variant` is (its compile mode); None without bare variants."""
     return next((v for v in variants if v.name.startswith("bare") and v.xla == variant.xla), None)
 
 
 def fastest_mode(variants: list[Variant], **wanted: Any) -> Variant:
-    """Of the mixloop variants with the `wanted` fields, with XLA and without, the faster (by median
+    """Of the mixloop variants with the `wanted` fields, in each compile mode, the fastest (by median
     seconds)."""
     matching = [v for v in variants if v.name.startswith("mixloop") and not v.name.startswith(
                     ("mixloop ema_decay", "mixloop +metric", "mixloop batch_loss"))
@@ -414,7 +431,7 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
                   _find(variants, policy=policy, accumulation_steps=1, loss_scale=scale, xla=xla)),
         **{f"k2/k1 {compile_mode.describe(mode)}": tuple(
             _find(variants, policy=policy, accumulation_steps=steps, loss_scale=scale, xla=mode)
-            for steps in (2, 1)) for mode in (True, False)},
+            for steps in (2, 1)) for mode in compile_mode.MODES},
         "ema/no-ema": _ordered(by_name["mixloop"], _starting(variants, "mixloop ema_decay="),
                                first_is_on=bool(config.train.ema_decay)),
         "metric/no-metric": (by_name["mixloop +metric"], by_name["mixloop"]),
@@ -490,19 +507,20 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     for row in report["variants"]:
         speed = row["examples_per_sec"]
-        xla = "yes" if row["xla"] else "no"
+        xla = {True: "yes", False: "no"}.get(row["xla"], row["xla"])
         lines.append(f"| {row['name']} | {row['policy']} | {row['accumulation_steps']} | "
                      f"{row['loss_scale']} | {xla} | {speed['median']:.0f} | "
                      f"{speed['min']:.0f}–{speed['max']:.0f} | {_shown(row['vs_keras_fit'])} | "
                      f"{_shown(row['vs_bare'])} |")
     ratios = report["ratios"]
-    headline = ("16-bit vs float32, each in its faster compile mode: " + ", ".join(
+    headline = ("16-bit vs float32, each in its fastest compile mode: " + ", ".join(
         f"{name.split('/')[0]} {ratios[name]:.2f}x" for name in POLICY_RATIOS))
     auto = report.get("auto_compile_mode")
     if auto:
-        headline += (f"; jit_compile=auto picks {compile_mode.describe(auto['xla'])} (its probe: "
-                     f"{auto['examples_per_sec']['xla']:.0f} examples/s with XLA, "
-                     f"{auto['examples_per_sec']['graph']:.0f} without, {auto['probe_seconds']} s)")
+        speeds = ", ".join(f"{speed:.0f} {compile_mode.describe(_AUTO_KEYS[key])}"
+                           for key, speed in auto["examples_per_sec"].items())
+        headline += (f"; jit_compile=auto picks {compile_mode.describe(auto['mode'])} (its probe, "
+                     f"examples/s: {speeds}; {auto['probe_seconds']} s)")
     others = ", ".join(f"{name} {_shown(value)}" for name, value in ratios.items()
                        if name not in POLICY_RATIOS)
     return "\n".join(lines + ["", headline, "",
@@ -548,14 +566,14 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
                             "replicas; set --config.distribution=one_device")
         auto = None
         if config.jit_compile == AUTO:
-            logging.info("Timing both compile modes as a run's jit_compile=auto does...")
+            logging.info("Timing the compile modes as a run's jit_compile=auto does...")
             speeds, seconds = compile_mode.measure(trainer)
-            auto = dict(xla=speeds[True] > speeds[False], probe_seconds=round(seconds, 1),
-                        examples_per_sec={"xla": round(speeds[True], 1),
-                                          "graph": round(speeds[False], 1)})
-            config = _changed(config, {"jit_compile": auto["xla"]})
+            auto = dict(mode=max(compile_mode.MODES, key=speeds.get), probe_seconds=round(seconds, 1),
+                        examples_per_sec={key: round(speeds[mode], 1)
+                                          for key, mode in _AUTO_KEYS.items()})
+            config = _changed(config, {"jit_compile": auto["mode"]})
             trainer.config = config
-            trainer.set_jit_compile(auto["xla"])
+            trainer.set_jit_compile(auto["mode"])
         logging.info("Building the variants (one model, and for mixloop one Trainer, each)...")
         variants = build_variants(trainer, mixloop_configs(config), workdir)
         time_interleaved(variants, repeats,
