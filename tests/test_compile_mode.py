@@ -11,6 +11,7 @@ import tensorflow as tf
 import tiny_experiment
 from tensorflow.python.eager import context
 
+from mixloop.config import ConfigError
 from mixloop.runner import compile_mode
 
 
@@ -156,6 +157,14 @@ def test_elementwise_mode_fuses_with_xla_and_leaves_the_matrix_products_to_tenso
     ops = _optimized_ops(make_trainer(tmp_path, jit_compile=jit_compile), 2)
     assert (ops["_XlaCompile"] > 0 and ops["_XlaRun"] > 0) is fused
     assert sum(count for op, count in ops.items() if "MatMul" in op) > 0
+
+
+@pytest.mark.parametrize("jit_compile", [True, "elementwise"])
+def test_a_mode_with_xla_is_refused_for_several_replicas(jit_compile):
+    with pytest.raises(ConfigError, match=rf"^config.jit_compile={jit_compile} is not supported with "
+                                          r"more than one replica yet; set it to False or 'auto'$"):
+        compile_mode.configured(jit_compile, 2)
+    assert compile_mode.configured(jit_compile, 1) == (jit_compile, f"config.jit_compile={jit_compile}")
 
 
 def test_a_short_run_takes_xla_unprobed_and_several_replicas_graph_mode(tmp_path):
