@@ -11,7 +11,7 @@ import contextlib
 import re
 import signal
 import time
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Union
 
 import keras
 import ml_collections
@@ -48,14 +48,16 @@ class Runnable(Protocol):
     state: Any  # state.RunState: per-objective skip counters.
     objectives: dict  # Name -> engine.objective.Objective (loss scale, optimizer).
     eval_data: Optional[tf.data.Dataset]
-    jit_compile: Optional[bool]  # None until choose_compile_mode decides (jit_compile="auto").
+    # compile_mode.Mode: True (XLA), False or "elementwise"; None until choose_compile_mode
+    # decides (jit_compile="auto").
+    jit_compile: Optional[Union[bool, str]]
 
     def train_loop(self, num_steps: int) -> dict[str, Any]:
         """Up to `num_steps` updates in one compiled call; per-objective totals as NumPy."""
 
     def choose_compile_mode(self) -> bool:
-        """Decides XLA or not for jit_compile="auto", leaving the state as it was; whether the
-        chosen loop is compiled already."""
+        """Decides the compile mode for jit_compile="auto", leaving the state as it was; whether
+        the chosen loop is compiled already."""
 
     def evaluate(self) -> dict[str, float]:
         """The eval metrics (with the EMA weights when on)."""
