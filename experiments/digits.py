@@ -10,7 +10,7 @@ Run (from the repository root)::
     python -m mixloop.train --config=experiments/digits.py --workdir=runs/digits
     python -m mixloop.train --config=experiments/digits.py:quick --workdir=runs/digits_quick
 
-Expect, on 2 CPU cores: about 12 seconds for 600 updates (with a 6 s probe of the compile mode,
+Expect, on 2 CPU cores: about 16 seconds for 600 updates (with a 9 s probe of the compile modes,
 which picks XLA: TensorFlow's float16 convolutions on a CPU are 15x slower), eval accuracy 0.99
 (0.9922 measured) and loss 0.05. The loss scale stays at 2**15 with XLA; without XLA
 (`--config.jit_compile=False`) one update is skipped at the start while it backs off to 2**14.

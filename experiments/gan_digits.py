@@ -27,8 +27,8 @@ Run (from the repository root)::
     python -m mixloop.train --config=experiments/gan_digits.py --workdir=runs/gan_digits
     python -m mixloop.train --config=experiments/gan_digits.py:quick --workdir=runs/gan_digits_quick
 
-Expect, on 2 CPU cores: about 70 seconds (6,000 updates at ~115 per second with XLA, which
-`jit_compile=auto` picks after an 8 s probe, and start-up), ending at Fréchet distance 0.15,
+Expect, on 2 CPU cores: about 80 seconds (6,000 updates at ~120 per second with XLA, which
+`jit_compile=auto` picks after a 23 s probe, and start-up), ending at Fréchet distance 0.15,
 confidence 0.88 and all 10 digits covered (0.154 / 0.884 / 10 measured, 0.24 / 0.86 / 10 at step
 3,000; 0.149 / 0.871 on an AMD EPYC). The discriminator calls only 54% of the held-out real digits
 real (`real_accuracy`) while it catches 71% of the fakes: it memorises the 1,541 train images. The
