@@ -22,10 +22,11 @@ Run (from the repository root)::
     python -m mixloop.train --config=experiments/simclr_digits.py --workdir=runs/simclr_digits
     python -m mixloop.train --config=experiments/simclr_digits.py:quick --workdir=runs/simclr_quick
 
-Expect, on 2 CPU cores: about a minute (1,500 updates at ~55 per second with XLA, which
-`jit_compile=auto` picks after a 20 s probe), ending at eval NT-Xent 2.05, pair accuracy 0.86,
-1-NN accuracy 0.982 and 0.898 from 5 labels per class (2.0455 / 0.858 / 0.9818 / 0.8984
-measured; float32 2.0363 / 0.875 / 0.9818 / 0.8958), train NT-Xent 2.02, no update skipped. With
+Expect, on 2 CPU cores: about a minute (63 s measured: 1,500 updates with XLA, which
+`jit_compile=auto` picks after a 29 s probe), ending at eval NT-Xent 2.05, pair accuracy 0.86,
+1-NN accuracy 0.982 and 0.898 from 5 labels per class (2.0463 / 0.859 / 0.9818 / 0.8984
+measured; float32, where auto picks graph mode, 2.0479 / 0.858 / 0.9870 / 0.9115), train NT-Xent
+2.02, no update skipped. With
 `--config.train.batch_loss=False` the train loss reads 0.96 (each micro-batch's 63 candidates)
 and the eval NT-Xent is worse, 2.15 (README, "A contrastive loss under accumulation").
 The `quick` variant (40 updates of a narrower model) only checks that everything runs.
