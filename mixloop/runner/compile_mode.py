@@ -75,6 +75,17 @@ def _cluster_elementwise_ops_only() -> None:
 _cluster_elementwise_ops_only()
 
 
+def step_with_xla(jit_compile: Optional[Mode]) -> bool:
+    """Whether the train step itself is compiled with XLA in mode `jit_compile`: for True, and
+    while undecided (None: XLA until measured); "elementwise" runs the graph-mode step."""
+    return jit_compile is True or jit_compile is None
+
+
+def fastest(speeds: dict[Mode, float]) -> Mode:
+    """The mode of `speeds` (examples/s by mode) with the most, the earlier of MODES on a tie."""
+    return max(MODES, key=speeds.get)
+
+
 def describe(jit_compile: Mode) -> str:
     """How the log lines name a mode."""
     return ("with XLA fusing its elementwise ops" if jit_compile == ELEMENTWISE
@@ -155,7 +166,7 @@ def choose(trainer) -> bool:
         logging.warning("Train step %s: jit_compile=auto could not time it %s: %s", describe(chosen),
                         describe(failed), controller.op_error_summary(error))
         return False
-    chosen = max(MODES, key=speeds.get)
+    chosen = fastest(speeds)
     trainer.set_jit_compile(chosen)
     others = [mode for mode in MODES if mode != chosen]
     logging.info("Train step %s: jit_compile=auto measured %.1f examples/s vs %s (probe: %.1f s, "

@@ -72,7 +72,7 @@ class Trainer:
                 policy=self.policy,
                 accumulation_steps=config.train.accumulation_steps,
                 clip_global_norm=config.train.clip_global_norm or None,
-                jit_compile=self.jit_compile in (True, None),
+                jit_compile=compile_mode.step_with_xla(self.jit_compile),
                 input_fn=self.model_inputs,
                 ema_decay=config.train.ema_decay,
                 global_step=self.state.global_step,  # The step counts its updates here.
@@ -198,8 +198,7 @@ class Trainer:
         """Runs the train step in compile mode `jit_compile` (`compile_mode.MODES`) from the next
         loop on (each mode traced once; None, undecided, until `choose_compile_mode`)."""
         self.jit_compile = jit_compile
-        # Until measured: XLA. "elementwise" is the graph-mode step, called with clustering on.
-        self.train_step.jit_compile = jit_compile in (True, None)
+        self.train_step.jit_compile = compile_mode.step_with_xla(jit_compile)
         if jit_compile not in self._train_loops:
             self._train_loops[jit_compile] = tf.function(self._inner_loop)
         self._train_loop = self._train_loops[jit_compile]

@@ -177,7 +177,7 @@ def bare_variant(trainer, data: tf.data.Dataset, jit_compile: compile_mode.Mode,
                                         split_auto(config.precision.float32_layers)[1])
     optimizer = _with_clipping(trainer.build_optimizer(), config.train.clip_global_norm)
 
-    @tf.function(jit_compile=jit_compile is True)
+    @tf.function(jit_compile=compile_mode.step_with_xla(jit_compile))
     def step(batch):
         with tf.GradientTape() as tape:
             outputs = forward(model, policy, trainer.model_inputs(batch), training=True)
@@ -568,7 +568,7 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
         if config.jit_compile == AUTO:
             logging.info("Timing the compile modes as a run's jit_compile=auto does...")
             speeds, seconds = compile_mode.measure(trainer)
-            auto = dict(mode=max(compile_mode.MODES, key=speeds.get), probe_seconds=round(seconds, 1),
+            auto = dict(mode=compile_mode.fastest(speeds), probe_seconds=round(seconds, 1),
                         examples_per_sec={key: round(speeds[mode], 1)
                                           for key, mode in _AUTO_KEYS.items()})
             config = _changed(config, {"jit_compile": auto["mode"]})
