@@ -195,3 +195,15 @@ def test_a_mode_that_fails_in_the_probe(tmp_path, monkeypatch, failing_mode, err
     trainer.train()
     assert trainer.jit_compile is chosen and int(trainer.global_step.numpy()) == 20
     assert resolved(tmp_path) == {}  # Nothing measured, nothing recorded.
+
+
+@pytest.mark.parametrize("before, after", [
+    ("", "--tf_xla_ops_to_cluster=FUSIBLE --tf_xla_min_cluster_size=8"),
+    ("--tf_xla_min_cluster_size=3 --tf_xla_auto_jit=2",
+     "--tf_xla_min_cluster_size=3 --tf_xla_auto_jit=2 --tf_xla_ops_to_cluster=FUSIBLE"),
+    ("--tf_xla_ops_to_cluster=MatMul", "--tf_xla_ops_to_cluster=MatMul --tf_xla_min_cluster_size=8"),
+])
+def test_the_clustering_flags_are_added_unless_the_user_set_them(monkeypatch, before, after):
+    monkeypatch.setenv("TF_XLA_FLAGS", before)
+    compile_mode._cluster_elementwise_ops_only()
+    assert os.environ["TF_XLA_FLAGS"] == after
