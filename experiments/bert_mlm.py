@@ -14,10 +14,10 @@ Run (from the repository root; needs `pip install keras-hub`)::
     python -m mixloop.train --config=experiments/bert_mlm.py --workdir=runs/bert_mlm
     python -m mixloop.train --config=experiments/bert_mlm.py:quick --workdir=runs/bert_mlm_quick
 
-Expect, on 2 CPU cores: about 1.5 minutes (89 s mixed_bfloat16 with XLA fusing the elementwise
-ops, 93 s float32 with XLA, 120 s mixed_float16 without XLA measured, each with a 23-25 s probe of
+Expect, on 2 CPU cores: about 1.5 minutes (85 s mixed_bfloat16 with XLA fusing the elementwise
+ops, 93 s float32 with XLA, 120 s mixed_float16 without XLA measured, each with a 22-25 s probe of
 the compile modes; 11-14 updates/s) for 600 updates of a
-0.49M-parameter model, and eval 1.91 nats per masked byte, accuracy 0.50 (float32 1.917,
+0.49M-parameter model, and eval 1.92 nats per masked byte, accuracy 0.50 (float32 1.917,
 mixed_float16 1.927, no update skipped), against 3.15 nats for the unigram entropy of the train
 bytes that the Trainer logs; the eval set has 57,315 masked bytes. The run is sensitive to small
 perturbations: float32 alone ends between 1.876 and 1.917 over seeds 0-2, and a 16-bit run lands

@@ -9,7 +9,7 @@ Run (from the repository root)::
     python -m mixloop.train --config=experiments/charlm.py --workdir=runs/charlm
     python -m mixloop.train --config=experiments/charlm.py:quick --workdir=runs/charlm_quick
 
-Expect, on 2 CPU cores: about 3 minutes (167 s measured, with a 25 s probe of the compile modes;
+Expect, on 2 CPU cores: about 3 minutes (160 s measured, with a 22 s probe of the compile modes;
 13 updates/s with XLA fusing the elementwise ops around oneDNN's bfloat16 matrix products, which
 `jit_compile=auto` picks for bfloat16 on a CPU with AVX512_BF16) for 1,500 updates of a
 0.47M-parameter model, and eval 1.98 bits per character (loss 1.38 nats), against 4.55 bits for
@@ -55,10 +55,10 @@ def get_config(arg: Optional[str] = None) -> ml_collections.ConfigDict:
     config = base_config()
     config.trainer = "experiments.charlm.CharLMTrainer"  # The Trainer subclass below.
     config.seed = 0  # Initialization and window order.
-    # On 2 Xeon cores (AVX512_BF16, AMX), `python -m mixloop.benchmark` measured 661 examples/s in
-    # mixed_bfloat16 (without XLA, auto's pick), 715 in float32 (with XLA) and 639 in mixed_float16:
-    # at this width the step is mostly elementwise work, which 16 bits do not speed up on a CPU;
-    # at d_model 512 mixed_bfloat16 is 1.54x float32. The default shows 16-bit compute.
+    # On 2 Xeon cores (AVX512_BF16, AMX), `python -m mixloop.benchmark` measured 841 examples/s in
+    # mixed_bfloat16 (XLA fusing the elementwise ops around oneDNN's bfloat16 matmuls, auto's
+    # pick), 717 in float32 (with XLA) and 674 in mixed_float16 (without XLA): bfloat16 1.16x
+    # float32 at this width, where the step is mostly elementwise work; 1.96x at d_model 512.
     config.precision.policy = "mixed_bfloat16"  # 16-bit compute without a loss scale.
 
     config.model.num_layers = 2  # Transformer blocks.
