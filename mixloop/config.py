@@ -61,6 +61,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.precision.hysteresis = 1  # Dynamic scale: overflows tolerated before backing off.
     config.precision.min_scale = 1.0  # Dynamic scale: lower bound.
     config.precision.max_scale = 2.0**24  # Dynamic scale: upper bound.
+    # Dynamic scale: a step whose updates all overflowed is taken again on the same batch at the
+    # backed-off scale, up to this many times, before it counts as skipped; 0 skips at once.
+    config.precision.overflow_retries = 2
     # Regex of layer paths that also compute in float32; "auto" (the default; or "auto|REGEX") adds, in
     # float16, the finest layers a probe of a few train batches finds overflowing it (and on resume,
     # the ones recorded); "" keeps only the default placement.
@@ -205,6 +208,8 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
     _require(_is_int(p.probe_batches) and p.probe_batches >= 1, "precision.probe_batches",
              p.probe_batches, "a positive integer")
     _require(isinstance(p.heal, bool), "precision.heal", p.heal, "True or False")
+    _require(_is_int(p.overflow_retries) and p.overflow_retries >= 0, "precision.overflow_retries",
+             p.overflow_retries, "a non-negative integer")
     _require(not p.heal or t.max_recoveries >= 1, "precision.heal", p.heal,
              "True needs train.max_recoveries of at least 1 (each heal counts as a recovery), "
              f"but it is {t.max_recoveries}")

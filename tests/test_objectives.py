@@ -41,7 +41,7 @@ def batches():
                np.full([BATCH], boost, "float32"))
 
 
-def build_two_objective_step(strategy, ema_decay=0.0, accumulation_steps=1):
+def build_two_objective_step(strategy, ema_decay=0.0, accumulation_steps=1, overflow_retries=0):
     keras.utils.set_random_seed(5)
     policy = mixloop.Policy.from_string("mixed_float16")
     with strategy.scope():
@@ -51,7 +51,8 @@ def build_two_objective_step(strategy, ema_decay=0.0, accumulation_steps=1):
                                     mixloop.DynamicLossScale(initial_scale=2.0**10, growth_interval=1000))
             for name in ("a", "b")}
         return mixloop.TrainStep(model=model, objectives=objectives, loss_fn=two_losses, policy=policy,
-                                 accumulation_steps=accumulation_steps, ema_decay=ema_decay)
+                                 accumulation_steps=accumulation_steps, ema_decay=ema_decay,
+                                 overflow_retries=overflow_retries)
 
 
 def run(strategy, step):
@@ -99,6 +100,24 @@ def test_an_overflow_in_one_objective_skips_only_its_update_and_backs_off_only_i
     # Each objective's metrics come with its own report.
     assert set(a[0]["metrics"]) == {"error_a"} and set(b[0]["metrics"]) == {"error_b"}
     np.testing.assert_allclose(b[0]["metrics"]["error_b"], b[0]["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("strategy_name", STRATEGIES)
+def test_a_step_where_another_objective_applied_its_update_is_not_retried(strategy_name):
+    """Retrying b's overflow would apply a's update twice: b skips as without retries, on one
+    replica and on two (where the retry loop holds the all-reduce)."""
+    strategy = STRATEGIES[strategy_name]()
+    reports, weights = run(strategy, build_two_objective_step(strategy, overflow_retries=2))
+    plain_reports, plain_weights = run(strategy, build_two_objective_step(strategy))
+
+    for name in ("a", "b"):
+        assert [int(r["objectives"][name]["retries"]) for r in reports] == [0] * NUM_STEPS
+        assert ([bool(r["objectives"][name]["applied"]) for r in reports]
+                == [bool(r["objectives"][name]["applied"]) for r in plain_reports])
+        for update, plain_update in zip(weights, plain_weights):
+            for after, plain_after in zip(update[name], plain_update[name]):
+                np.testing.assert_array_equal(after, plain_after)
+    assert [bool(r["objectives"]["b"]["applied"]) for r in reports] == [True, False, False, True, True, True]
 
 
 def test_objective_a_trains_exactly_as_it_would_alone():

@@ -139,6 +139,67 @@ def test_non_finite_step_is_skipped_with_every_variable_bit_identical(policy, ca
         assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) > 1e6
 
 
+# An overflowed step taken again on the same batch (overflow_retries) instead of losing the batch.
+
+def retrying_step(retries, initial_scale, jit_compile=False):
+    keras.utils.set_random_seed(4)  # The same weights and dropout seeds in every step made here.
+    return make_step("mixed_float16", build_fn=mlp(batch_norm=True, dropout=0.25),
+                     optimizer=keras.optimizers.Adam(1e-3),
+                     loss_scale=DynamicLossScale(initial_scale=initial_scale), jit_compile=jit_compile,
+                     overflow_retries=retries)
+
+
+@JIT
+def test_an_overflowed_step_is_taken_again_at_the_backed_off_scale_as_if_it_had_started_there(jit_compile):
+    step = retrying_step(20, 2.0**15, jit_compile)
+    report = step(bad_batch("float16_overflow"))["objectives"]["model"]
+
+    # The scale halved once per attempt, then the batch was applied at the scale that held.
+    retries = int(report["retries"])
+    assert retries >= 2 and bool(report["applied"]) and bool(report["grads_finite"])
+    assert float(report["loss_scale"]) == 2.0**(15 - retries)
+    assert int(step.global_step.numpy()) == 1  # One step, however many attempts.
+    assert int(step.objectives["model"].optimizer.iterations.numpy()) == 1
+    # Bit for bit the step a run started at that scale takes: every attempt before left no trace.
+    reference = retrying_step(0, 2.0**(15 - retries), jit_compile)
+    reference_report = reference(bad_batch("float16_overflow"))["objectives"]["model"]
+    assert bool(reference_report["applied"]) and int(reference_report["retries"]) == 0
+    for (path, expected), actual in zip(state_of(reference).items(), state_of(step).values()):
+        np.testing.assert_array_equal(actual, expected, err_msg=path, strict=True)
+    assert float(step.objectives["model"].loss_scale.scale) == float(reference.objectives["model"].loss_scale.scale)
+
+
+def test_retries_end_after_overflow_retries_with_the_update_skipped():
+    step = retrying_step(2, 2.0**15)
+    before = state_of(step)
+    report = step(bad_batch("float16_overflow"))["objectives"]["model"]
+
+    assert int(report["retries"]) == 2 and not bool(report["applied"])
+    assert float(report["loss_scale"]) == 2.0**13  # The third attempt's scale; but the step
+    assert float(step.objectives["model"].loss_scale.scale) == 2.0**14  # costs one back-off.
+    assert_bit_identical(before, state_of(step))
+    assert int(step.global_step.numpy()) == 1
+
+
+@pytest.mark.parametrize("case", ["nan_inputs", "static_scale", "at_min_scale", "float32"])
+def test_an_overflow_no_lower_scale_can_cure_is_not_retried(case):
+    """Bad data, a scale that does not move, or one at its floor: a retry would fail the same way."""
+    policy, loss_scale, batch = "mixed_float16", DynamicLossScale(), bad_batch("float16_overflow")
+    if case == "nan_inputs":
+        batch = bad_batch("nan_inputs")
+    elif case == "static_scale":
+        loss_scale = StaticLossScale(2.0**15)
+    elif case == "at_min_scale":
+        loss_scale = DynamicLossScale(initial_scale=2.0**15, min_scale=2.0**15)
+    else:
+        policy = "float32"
+        batch = bad_batch("nan_inputs")
+    step = make_step(policy, loss_scale=loss_scale, overflow_retries=3)
+    report = step(batch)["objectives"]["model"]
+    assert not bool(report["applied"]) and int(report["retries"]) == 0
+    assert int(step.global_step.numpy()) == 1
+
+
 @pytest.mark.parametrize("policy, loss_scale_fn", [("float32", DynamicLossScale),
                                                    ("mixed_float16", lambda: StaticLossScale(1.0))],
                          ids=["float32", "float16_unscaled"])
@@ -599,7 +660,8 @@ def test_a_per_example_loss_vector_is_a_one_line_contract_error():
 
 @pytest.mark.parametrize("num_micro_batches, batch_loss", [(1, False), (4, False), (4, True)])
 def test_with_xla_no_while_loop_is_inside_a_compiled_function(num_micro_batches, batch_loss):
-    step = make_step(accumulation_steps=num_micro_batches, jit_compile=True, batch_loss=batch_loss)
+    step = make_step(accumulation_steps=num_micro_batches, jit_compile=True, batch_loss=batch_loss,
+                     loss_scale=DynamicLossScale(), overflow_retries=2)  # Nor the retry loop.
     batch = regression_batch()
     step(batch)
     step_graph = step._compiled.get_concrete_function(batch).graph

@@ -153,6 +153,13 @@ class DynamicLossScale(LossScale):
         self._scale.assign(clipped)
         return clipped
 
+    def back_off_once_from(self, scale: tf.Tensor, where: tf.Tensor) -> None:
+        """Where `where` holds, sets the scale to one back-off from `scale` (graph-safe): a step
+        that overflowed at `scale` and again at each lower scale its retries tried costs what it
+        costs without retries (`TrainStep`'s `overflow_retries`), not one back-off per attempt."""
+        self._scale.assign(tf.where(where, tf.maximum(scale * self.backoff_factor, self.min_scale),
+                                    self._scale))
+
     def update(self, grads_finite: tf.Tensor) -> None:
         """Applies one step of the algorithm in the class docstring, branch-free (XLA-friendly)."""
         finite = tf.convert_to_tensor(grads_finite, dtype=tf.bool)

@@ -18,6 +18,8 @@ The order of operations, once per call (a model with one loss has one objective)
             back its layer's non-trainable state
         adjust its loss scale
     count the step; report float32/bool metrics
+    if every update due was skipped for an overflow the backed-off scales may cure
+    (`overflow_retries`): take the same step again, on the same batch
 
 With `batch_loss=True`, for losses that couple a batch's examples (contrastive ones), the loop
 over micro-batches becomes GradCache's two passes (engine/batch_loss.py): the loss is computed
@@ -36,7 +38,7 @@ from mixloop.engine import batch_loss as global_batch
 from mixloop.engine import keras_adapter
 from mixloop.engine.ema import ExponentialMovingAverage
 from mixloop.engine.loss import Loss, LossContractError, as_losses, per_weight
-from mixloop.engine.loss_scale import NoLossScale, LossScale, leaves_finite
+from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, LossScale, leaves_finite
 from mixloop.engine.objective import SINGLE, Objective, check_objectives, with_loss_scales
 from mixloop.engine.policy import Policy
 
@@ -116,6 +118,17 @@ class TrainStep:
     its layer's non-trainable state (e.g. BatchNorm statistics), its optimizer's slots and
     iteration count stay bit-identical, so learning-rate schedules and weight decay advance once per
     applied update, and only its loss scale backs off.
+
+    With `overflow_retries` > 0, a step whose due updates were all skipped for an overflow that a
+    lower scale may cure (finite inputs and loss, and every such scale backed off) is taken again on
+    the same batch, as the same step (the global step and the cadences do not move), up to that
+    many times: the batch is not lost to the scale's search. A step no retry cures is skipped and
+    leaves its scale one back-off below its first attempt's, as without retries (an overflow no
+    scale cures must not drive the scale down faster). The rolled-back state makes the retry
+    draw the dropout the first attempt drew. A step where some objective applied its update is
+    not retried (the retry would apply it twice). Each objective's report also holds `retries`,
+    the attempts redone before the last (int32; 0 without retries). The retry loop runs in the
+    caller's graph around the compiled step, which stays one trace: XLA does not compile the loop.
     """
 
     def __init__(
@@ -134,6 +147,7 @@ class TrainStep:
         ema_decay: float = 0.0,
         global_step: Optional[tf.Variable] = None,
         batch_loss: bool = False,
+        overflow_retries: int = 0,
     ):
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps!r}")
@@ -180,6 +194,9 @@ class TrainStep:
             if jit_compile:
                 raise ValueError("jit_compile=True is not supported with more than one replica yet")
         self.jit_compile = jit_compile
+        # Only a dynamic scale backs off, so only under one can a retry end otherwise.
+        self.overflow_retries = int(overflow_retries) if any(
+            isinstance(o.loss_scale, DynamicLossScale) for o in self.objectives.values()) else 0
         self.recompile()
 
     def recompile(self) -> None:
@@ -228,7 +245,52 @@ class TrainStep:
         if self._traced_metric_names is None:
             self.metric_names(tf.nest.map_structure(
                 lambda t: tf.TensorSpec(self._first_replica(t).shape, self._first_replica(t).dtype), batch))
-        return self._compiled(batch)
+        if not self.overflow_retries:
+            report = self._compiled(batch)
+            for objective_report in report["objectives"].values():
+                objective_report["retries"] = tf.constant(0)
+            return report
+        return self._retrying_overflows(batch)
+
+    def _retrying_overflows(self, batch: Batch) -> dict[str, Any]:
+        """The compiled step on `batch`, taken again while `_curable_overflow` says so (at most
+        `overflow_retries` more times); one call site, so the step is traced and compiled once."""
+        def attempt(attempts, again, report):
+            del again, report
+            report = self._compiled(batch)
+            again = tf.logical_and(attempts < self.overflow_retries, self._curable_overflow(report))
+            # The same step again: its number, and so every cadence, as before.
+            self.global_step.assign_sub(tf.cast(again, tf.int64))
+            return attempts + 1, again, report
+
+        first_scales = {name: objective.loss_scale.scale for name, objective in self.objectives.items()}
+        outputs = self._compiled.get_concrete_function(batch).structured_outputs
+        unset = tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), outputs)
+        attempts, _, report = tf.while_loop(lambda _, again, __: again, attempt,
+                                            (tf.constant(0), tf.constant(True), unset))
+        for name, objective in self.objectives.items():
+            objective_report = report["objectives"][name]
+            objective_report["retries"] = tf.where(objective_report["ran"], attempts - 1, 0)
+            if isinstance(objective.loss_scale, DynamicLossScale):
+                # No retry cured it: one back-off, as without retries, however many were tried.
+                uncured = tf.logical_and(objective_report["retries"] > 0,
+                                         tf.logical_not(objective_report["applied"]))
+                objective.loss_scale.back_off_once_from(first_scales[name], uncured)
+        return report
+
+    def _curable_overflow(self, report: dict[str, Any]) -> tf.Tensor:
+        """Whether the step just taken skipped every update due, each for non-finite gradients from
+        finite inputs and a finite loss, with its scale now lower than the one it used."""
+        inputs_finite = report["inputs_finite"]
+        due_and_curable, any_due = [], []
+        for name, objective in self.objectives.items():
+            r = report["objectives"][name]
+            curable = tf.logical_and(tf.logical_not(r["applied"]), tf.math.is_finite(r["loss"]))
+            curable = tf.logical_and(curable, objective.loss_scale.scale < r["loss_scale"])
+            due_and_curable.append(tf.logical_or(tf.logical_not(r["ran"]), curable))
+            any_due.append(r["ran"])
+        return tf.logical_and(inputs_finite, tf.logical_and(tf.reduce_all(due_and_curable),
+                                                            tf.reduce_any(any_due)))
 
     def step(self, batch: Batch) -> dict[str, Any]:
         """The step's body, uncompiled: for callers that trace it inside their own `tf.function`.

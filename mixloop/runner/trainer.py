@@ -77,6 +77,7 @@ class Trainer:
                 ema_decay=config.train.ema_decay,
                 global_step=self.state.global_step,  # The step counts its updates here.
                 batch_loss=config.train.batch_loss,
+                overflow_retries=config.precision.overflow_retries,
             )
             self.compile_loops()
             _check_objective_variables(self.objectives, self.model)

@@ -23,7 +23,8 @@ times, in one process, the same optimizer updates on the same batches done sever
                      float16 (the only dtype where a dynamic scale does anything); jit_compile each
                      other way; ema_decay on (0.999) or off,
                      whichever it is not; with train.batch_loss, batch_loss=False (plain
-                     accumulation, the loss per micro-batch) beside the two passes
+                     accumulation, the loss per micro-batch) beside the two passes; float16 under
+                     a dynamic scale with overflow_retries=0 (no retry loop around the step)
     mixloop +metric  the configured run with one more train metric (the mean of the model's first
                      output: a reduction over the logits, weighted and summed like any metric)
 
@@ -77,10 +78,11 @@ POLICY_RATIOS = ("mixed_bfloat16/float32", "mixed_float16/float32")
 RATIOS = (*POLICY_RATIOS, "mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare",
           "dynamic/none", "k8/k1",
           *(f"k2/k1 {compile_mode.describe(mode)}" for mode in compile_mode.MODES),
-          "ema/no-ema", "metric/no-metric")
+          "ema/no-ema", "metric/no-metric", "retries/no-retries")
 # With train.batch_loss, also: the two passes' examples/s over plain accumulation's (their cost's inverse).
 BATCH_LOSS_RATIO = "two-passes/plain"
 EMA_DECAY = 0.999  # The ema_decay of the EMA variant.
+NO_RETRIES = "mixloop overflow_retries=0"  # float16, dynamic scale, no retry loop.
 _AUTO_KEYS = {"xla": True, "graph": False, "elementwise": compile_mode.ELEMENTWISE}  # JSON's names.
 EXTRA_METRIC = "benchmark_output_mean"  # The +metric variant's train metric.
 
@@ -328,6 +330,10 @@ def build_variants(trainer, mixloop_configs: dict[str, ml_collections.ConfigDict
                                     type(trainer), data, workdir))
     variants.append(mixloop_variant("mixloop +metric", config, _with_extra_metric(type(trainer)),
                                     data, workdir))
+    float16 = _changed(config, {"precision.policy": _float16_policy(config),
+                                "precision.loss_scale": "dynamic"})
+    variants.append(mixloop_variant(NO_RETRIES, _changed(float16, {"precision.overflow_retries": 0}),
+                                    type(trainer), data, workdir))
     return variants
 
 
@@ -383,7 +389,7 @@ def fastest_mode(variants: list[Variant], **wanted: Any) -> Variant:
     """Of the mixloop variants with the `wanted` fields, in each compile mode, the fastest (by median
     seconds)."""
     matching = [v for v in variants if v.name.startswith("mixloop") and not v.name.startswith(
-                    ("mixloop ema_decay", "mixloop +metric", "mixloop batch_loss"))
+                    ("mixloop ema_decay", "mixloop +metric", "mixloop batch_loss", NO_RETRIES))
                 and all(getattr(v, key) == value for key, value in wanted.items())]
     return min(matching, key=lambda v: statistics.median(v.seconds))
 
@@ -435,6 +441,8 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
         "ema/no-ema": _ordered(by_name["mixloop"], _starting(variants, "mixloop ema_decay="),
                                first_is_on=bool(config.train.ema_decay)),
         "metric/no-metric": (by_name["mixloop +metric"], by_name["mixloop"]),
+        "retries/no-retries": (_find(variants, policy=float16, accumulation_steps=k,
+                                     loss_scale="dynamic", xla=xla), by_name[NO_RETRIES]),
         BATCH_LOSS_RATIO: (by_name["mixloop"], by_name.get("mixloop batch_loss=False")),
     }
     names = RATIOS + ((BATCH_LOSS_RATIO,) if config.train.batch_loss else ())
