@@ -33,15 +33,16 @@ def two_losses(outputs, batch):
             "b": mixloop.Loss(error_b * boost[0], metrics={"error_b": error_b})}
 
 
-def batches():
+def batches(overflow=OVERFLOW):
     rng = np.random.default_rng(3)
     for step in range(NUM_STEPS):
-        boost = OVERFLOW if step in OVERFLOW_STEPS else 1.0
+        boost = overflow if step in OVERFLOW_STEPS else 1.0
         yield (rng.normal(size=(BATCH, 4)).astype("float32"), rng.normal(size=(BATCH, 2)).astype("float32"),
                np.full([BATCH], boost, "float32"))
 
 
-def build_two_objective_step(strategy, ema_decay=0.0, accumulation_steps=1, overflow_retries=0):
+def build_two_objective_step(strategy, ema_decay=0.0, accumulation_steps=1, overflow_retries=0,
+                             loss_fn=two_losses):
     keras.utils.set_random_seed(5)
     policy = mixloop.Policy.from_string("mixed_float16")
     with strategy.scope():
@@ -50,16 +51,16 @@ def build_two_objective_step(strategy, ema_decay=0.0, accumulation_steps=1, over
             name: mixloop.Objective(model.get_layer(name), keras.optimizers.SGD(0.1),
                                     mixloop.DynamicLossScale(initial_scale=2.0**10, growth_interval=1000))
             for name in ("a", "b")}
-        return mixloop.TrainStep(model=model, objectives=objectives, loss_fn=two_losses, policy=policy,
+        return mixloop.TrainStep(model=model, objectives=objectives, loss_fn=loss_fn, policy=policy,
                                  accumulation_steps=accumulation_steps, ema_decay=ema_decay,
                                  overflow_retries=overflow_retries)
 
 
-def run(strategy, step):
-    """Runs the step over `batches()` (distributed as the Trainer does); returns each update's
-    reports as NumPy and the weights of both heads after each update."""
+def run(strategy, step, overflow=OVERFLOW):
+    """Runs the step over `batches(overflow)` (distributed as the Trainer does); returns each
+    update's reports as NumPy and the weights of both heads after each update."""
     dataset = tf.data.Dataset.from_generator(
-        batches, output_signature=(tf.TensorSpec([BATCH, 4]), tf.TensorSpec([BATCH, 2]),
+        lambda: batches(overflow), output_signature=(tf.TensorSpec([BATCH, 4]), tf.TensorSpec([BATCH, 2]),
                                    tf.TensorSpec([BATCH])))
     reports, weights = [], []
     for batch in distribution.distribute(strategy, lambda: dataset, BATCH):
@@ -118,6 +119,31 @@ def test_a_step_where_another_objective_applied_its_update_is_not_retried(strate
             for after, plain_after in zip(update[name], plain_update[name]):
                 np.testing.assert_array_equal(after, plain_after)
     assert [bool(r["objectives"]["b"]["applied"]) for r in reports] == [True, False, False, True, True, True]
+
+
+def both_boosted(outputs, batch):
+    """Both objectives' squared errors times the batch's boost."""
+    x, y, boost = batch
+    return {name: mixloop.Loss(tf.reduce_mean(tf.square(outputs[name] - y)) * boost[0])
+            for name in ("a", "b")}
+
+
+def test_a_step_where_every_objective_overflowed_is_retried_on_one_replica_and_on_two():
+    """A boost of 100 overflows both heads at 2**10; at a lower scale a's backward fits first and
+    b's does not: a is applied there, b skipped as without retries (its first scale reported, one
+    back-off). On two replicas the retry loop holds the all-reduce (each replica's half batch
+    overflows at its own scales, so the attempts may differ from one replica's)."""
+    for make_strategy in STRATEGIES.values():
+        strategy = make_strategy()
+        step = build_two_objective_step(strategy, overflow_retries=2, loss_fn=both_boosted)
+        reports, _ = run(strategy, step, overflow=100.0)
+        a, b = reports[1]["objectives"]["a"], reports[1]["objectives"]["b"]
+        retries = int(a["retries"])
+        assert retries >= 1 and bool(a["applied"]) and float(a["loss_scale"]) == 2.0**(10 - retries)
+        assert (int(b["retries"]), bool(b["applied"]), float(b["loss_scale"])) == (retries, False, 2.0**10)
+        assert int(step.global_step.numpy()) == NUM_STEPS  # One step a batch, retries or not.
+        applied = sum(bool(r["objectives"]["a"]["applied"]) for r in reports)
+        assert int(step.objectives["a"].optimizer.iterations.numpy()) == applied
 
 
 def test_objective_a_trains_exactly_as_it_would_alone():

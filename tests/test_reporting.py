@@ -19,18 +19,18 @@ def interval_after(loops, objectives=("model",), skipped=4):
 
 
 def totals(loss_sum, num_finite_loss, grad_norm_sum, num_applied, metric_sums=None, metric_weight=0.0,
-           num_ran=None, num_retried=0.0):
+           num_ran=None, num_retries=0.0):
     return dict(loss_sum=loss_sum, num_finite_loss=num_finite_loss, grad_norm_sum=grad_norm_sum,
                 num_applied=num_applied, metric_sums=metric_sums or {}, metric_weight=metric_weight,
-                num_ran=num_finite_loss if num_ran is None else num_ran, num_retried=num_retried)
+                num_ran=num_finite_loss if num_ran is None else num_ran, num_retries=num_retries)
 
 
 def test_means_are_over_finite_losses_and_applied_updates():
-    interval = interval_after([{"objectives": {"model": totals(6.0, 3.0, 2.0, 2.0, num_retried=2.0)}},
-                               {"objectives": {"model": totals(2.0, 1.0, 4.0, 1.0, num_retried=1.0)}}])
+    interval = interval_after([{"objectives": {"model": totals(6.0, 3.0, 2.0, 2.0, num_retries=2.0)}},
+                               {"objectives": {"model": totals(2.0, 1.0, 4.0, 1.0, num_retries=1.0)}}])
     summary = interval.summary(step=110, skipped_totals={"model": 5}, batch_size=32)
     assert summary == {"loss": 2.0, "grad_norm": 2.0, "skipped_steps": 1.0, "skipped_total": 5.0,
-                       "retried_steps": 3.0, "steps_per_sec": 10.0, "examples_per_sec": 320.0}
+                       "retries": 3.0, "steps_per_sec": 10.0, "examples_per_sec": 320.0}
 
 
 def test_the_loop_that_compiled_counts_in_the_means_but_not_in_the_speed(caplog):
@@ -67,9 +67,9 @@ def test_several_objectives_get_their_own_tags_and_metrics_their_own_weights():
     summary = interval_after([loop], objectives=("g", "d")).summary(
         step=102, skipped_totals={"g": 4, "d": 6}, batch_size=1, cadenced=["g"])
     assert summary == {"loss/g": 2.0, "coverage": 0.5, "skipped_steps/g": 0.0, "skipped_total/g": 4.0,
-                       "retried_steps/g": 0.0, "updates/g": 1.0, "grad_norm/g": 3.0, "loss/d": 0.5,
+                       "retries/g": 0.0, "updates/g": 1.0, "grad_norm/g": 3.0, "loss/d": 0.5,
                        "real_accuracy": 0.8, "skipped_steps/d": 2.0, "skipped_total/d": 6.0,
-                       "retried_steps/d": 0.0,
+                       "retries/d": 0.0,
                        "steps_per_sec": 4.0, "examples_per_sec": 4.0}
 
 
@@ -86,7 +86,7 @@ def test_add_update_sums_finite_losses_applied_norms_and_weighted_metrics():
     values = tf.nest.map_structure(lambda t: t.numpy(), running)
     assert values["loss_sum"] == 3.0 and values["num_finite_loss"] == 2.0
     assert values["grad_norm_sum"] == 20.0 and values["num_applied"] == 2.0
-    assert values["num_ran"] == 3.0 and values["num_retried"] == 2.0
+    assert values["num_ran"] == 3.0 and values["num_retries"] == 2.0
     assert values["metric_sums"] == {"accuracy": 3.0} and values["metric_weight"] == 8.0
     assert values["last_loss"] == 1.0 and values["last_scale"] == 8.0
 
@@ -104,12 +104,12 @@ def test_the_progress_line_shows_losses_metrics_skips_and_scales_per_objective(c
                                        "learning_rate": 1e-3, "steps_per_sec": 12.3,
                                        "examples_per_sec": 787.2})
     reporting.log_progress(10, 20, {"loss/g": 0.7, "skipped_steps/g": 0.0, "skipped_total/g": 0.0,
-                                    "retried_steps/g": 0.0, "updates/g": 2.0, "loss/d": 1.4,
-                                    "skipped_steps/d": 2.0, "skipped_total/d": 5.0, "retried_steps/d": 3.0,
+                                    "retries/g": 0.0, "updates/g": 2.0, "loss/d": 1.4,
+                                    "skipped_steps/d": 2.0, "skipped_total/d": 5.0, "retries/d": 3.0,
                                     "loss_scale/g": 1024.0, "loss_scale/d": 256.0,
                                     "steps_per_sec": 1.0, "examples_per_sec": 8.0})
     assert [record.getMessage() for record in caplog.records] == [
         "step 200/2000  loss 2.3141  accuracy 0.4500  skipped 1 (total 3)  scale 32768  "
         "12.30 steps/s  ETA 2m26s",
         "step 10/20  loss/g 0.7000  skipped/g 0 (total 0)  updates/g 2  loss/d 1.4000  skipped/d 2 (total 5)  "
-        "retried/d 3  scale/g 1024  scale/d 256  1.00 steps/s  ETA 10s"]
+        "retries/d 3  scale/g 1024  scale/d 256  1.00 steps/s  ETA 10s"]

@@ -174,9 +174,10 @@ def test_retries_end_after_overflow_retries_with_the_update_skipped():
     before = state_of(step)
     report = step(bad_batch("float16_overflow"))["objectives"]["model"]
 
+    # Tried at 2**15, 2**14 and 2**13; counted as without retries: one skip at 2**15, one back-off.
     assert int(report["retries"]) == 2 and not bool(report["applied"])
-    assert float(report["loss_scale"]) == 2.0**13  # The third attempt's scale; but the step
-    assert float(step.objectives["model"].loss_scale.scale) == 2.0**14  # costs one back-off.
+    assert float(report["loss_scale"]) == 2.0**15
+    assert float(step.objectives["model"].loss_scale.scale) == 2.0**14
     assert_bit_identical(before, state_of(step))
     assert int(step.global_step.numpy()) == 1
 

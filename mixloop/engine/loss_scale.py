@@ -157,8 +157,10 @@ class DynamicLossScale(LossScale):
         """Where `where` holds, sets the scale to one back-off from `scale` (graph-safe): a step
         that overflowed at `scale` and again at each lower scale its retries tried costs what it
         costs without retries (`TrainStep`'s `overflow_retries`), not one back-off per attempt."""
-        self._scale.assign(tf.where(where, tf.maximum(scale * self.backoff_factor, self.min_scale),
-                                    self._scale))
+        self._scale.assign(tf.where(where, self._backed_off(scale), self._scale))
+
+    def _backed_off(self, scale: tf.Tensor) -> tf.Tensor:
+        return tf.maximum(scale * self.backoff_factor, self.min_scale)
 
     def update(self, grads_finite: tf.Tensor) -> None:
         """Applies one step of the algorithm in the class docstring, branch-free (XLA-friendly)."""
@@ -168,7 +170,7 @@ class DynamicLossScale(LossScale):
         hysteresis_left = tf.where(finite, self.hysteresis_left, tf.maximum(self.hysteresis_left - 1, 0))
         back_off = tf.logical_and(tf.logical_not(finite), tf.equal(hysteresis_left, 0))
         scale = tf.where(grow, tf.minimum(self._scale * self.growth_factor, self.max_scale), self._scale)
-        scale = tf.where(back_off, tf.maximum(scale * self.backoff_factor, self.min_scale), scale)
+        scale = tf.where(back_off, self._backed_off(scale), scale)
         self._scale.assign(scale)
         self.good_steps.assign(tf.where(grow, tf.constant(0, tf.int64), good_steps))
         self.hysteresis_left.assign(tf.where(grow, tf.constant(self.hysteresis, tf.int64), hysteresis_left))

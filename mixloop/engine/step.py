@@ -122,13 +122,15 @@ class TrainStep:
     With `overflow_retries` > 0, a step whose due updates were all skipped for an overflow that a
     lower scale may cure (finite inputs and loss, and every such scale backed off) is taken again on
     the same batch, as the same step (the global step and the cadences do not move), up to that
-    many times: the batch is not lost to the scale's search. A step no retry cures is skipped and
-    leaves its scale one back-off below its first attempt's, as without retries (an overflow no
-    scale cures must not drive the scale down faster). The rolled-back state makes the retry
-    draw the dropout the first attempt drew. A step where some objective applied its update is
-    not retried (the retry would apply it twice). Each objective's report also holds `retries`,
-    the attempts redone before the last (int32; 0 without retries). The retry loop runs in the
-    caller's graph around the compiled step, which stays one trace: XLA does not compile the loop.
+    many times: the batch is not lost to the scale's search. Each retry starts from the model's
+    non-trainable state as the first attempt found it (BatchNorm statistics, the Keras seed
+    states: the same dropout and noise; a `tf.random.Generator` outside the model draws anew).
+    A step no retry cures is skipped, reports its first attempt's scale and leaves the scale one
+    back-off below it, as without retries (an overflow no scale cures must not drive the scale
+    down faster). A step where some objective applied its update is not retried (the retry would
+    apply it twice). Each objective's report also holds `retries`, the attempts redone before the
+    last (int32; 0 without retries). The retry loop runs in the caller's graph around the
+    compiled step, which stays one trace: XLA does not compile the loop.
     """
 
     def __init__(
@@ -174,7 +176,8 @@ class TrainStep:
         self.global_step = global_step if global_step is not None else tf.Variable(
             0, dtype=tf.int64, trainable=False, name="global_step")
         self._traced_metric_names: Optional[dict[str, list[str]]] = None
-        # Per objective and trainable variable: non-finite in that objective's last skipped update.
+        # Per objective and trainable variable: non-finite in that objective's last overflowed
+        # attempt (a skipped update, or an attempt a retry then cured).
         self.nonfinite_gradients = {name: tf.Variable(
             tf.zeros([len(objective.variables)], tf.bool), trainable=False,
             name=f"nonfinite_gradients_{name}", synchronization=tf.VariableSynchronization.ON_WRITE,
@@ -255,12 +258,17 @@ class TrainStep:
     def _retrying_overflows(self, batch: Batch) -> dict[str, Any]:
         """The compiled step on `batch`, taken again while `_curable_overflow` says so (at most
         `overflow_retries` more times); one call site, so the step is traced and compiled once."""
+        state = self.model.non_trainable_variables
+        state_before = [tf.identity(variable) for variable in state]
+
         def attempt(attempts, again, report):
             del again, report
             report = self._compiled(batch)
             again = tf.logical_and(attempts < self.overflow_retries, self._curable_overflow(report))
-            # The same step again: its number, and so every cadence, as before.
+            # The same step again: its number (and so every cadence), and the state it started from.
             self.global_step.assign_sub(tf.cast(again, tf.int64))
+            for variable, value in zip(state, state_before):
+                variable.assign(tf.where(again, value, variable))
             return attempts + 1, again, report
 
         first_scales = {name: objective.loss_scale.scale for name, objective in self.objectives.items()}
@@ -272,9 +280,11 @@ class TrainStep:
             objective_report = report["objectives"][name]
             objective_report["retries"] = tf.where(objective_report["ran"], attempts - 1, 0)
             if isinstance(objective.loss_scale, DynamicLossScale):
-                # No retry cured it: one back-off, as without retries, however many were tried.
+                # No retry cured it: the step counts as one skip at its first scale, one back-off.
                 uncured = tf.logical_and(objective_report["retries"] > 0,
                                          tf.logical_not(objective_report["applied"]))
+                objective_report["loss_scale"] = tf.where(uncured, first_scales[name],
+                                                          objective_report["loss_scale"])
                 objective.loss_scale.back_off_once_from(first_scales[name], uncured)
         return report
 
@@ -293,7 +303,8 @@ class TrainStep:
                                                             tf.reduce_any(any_due)))
 
     def step(self, batch: Batch) -> dict[str, Any]:
-        """The step's body, uncompiled: for callers that trace it inside their own `tf.function`.
+        """The step's body, uncompiled: for callers that trace it inside their own `tf.function`
+        (one attempt: no retries, and no `retries` in its reports).
 
         Runs in cross-replica context: the gradient phase runs on every replica, the decision to
         apply is taken once per objective, and the updates themselves run on every replica again.
@@ -547,7 +558,8 @@ class TrainStep:
         return tf.constant(False)
 
     def nonfinite_variable_paths(self, name: str = SINGLE) -> list[str]:
-        """Paths of the variables whose gradients were non-finite in objective `name`'s last skip."""
+        """Paths of the variables whose gradients were non-finite in objective `name`'s last
+        overflowed attempt (see `nonfinite_gradients`)."""
         return masked_paths(self.objectives[name].variables, self.nonfinite_gradients[name])
 
 

@@ -56,7 +56,7 @@ def format_duration(seconds: float) -> str:
 # The train scalars the framework writes itself (per objective as `<tag>/<objective>` when there are
 # several); a train metric of the same name is refused.
 BUILT_IN_TRAIN_TAGS = ("loss", "loss_scale", "learning_rate", "grad_norm", "skipped_steps",
-                       "skipped_total", "retried_steps", "updates", "steps_per_sec", "examples_per_sec",
+                       "skipped_total", "retries", "updates", "steps_per_sec", "examples_per_sec",
                        "recoveries", "heals")
 _SPEED_TAGS = ("steps_per_sec", "examples_per_sec")
 
@@ -84,7 +84,7 @@ def zero_totals(metric_names: list[str]) -> dict[str, Any]:
     zero = tf.constant(0.0)
     return {"loss_sum": zero, "num_finite_loss": zero, "grad_norm_sum": zero, "num_applied": zero,
             "num_ran": zero,  # Updates of the objective, applied or skipped (see every_steps).
-            "num_retried": zero,  # Steps taken again after an overflow (precision.overflow_retries).
+            "num_retries": zero,  # Attempts taken again after an overflow (precision.overflow_retries).
             # The train metrics, weighted by each update's total loss weight.
             "metric_sums": {name: zero for name in metric_names}, "metric_weight": zero,
             # The latest update, for the divergence message.
@@ -105,7 +105,7 @@ def add_update(totals: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]
         "grad_norm_sum": totals["grad_norm_sum"] + tf.where(applied, report["grad_norm"], 0.0),
         "num_applied": totals["num_applied"] + tf.cast(applied, tf.float32),
         "num_ran": totals["num_ran"] + tf.cast(report["ran"], tf.float32),
-        "num_retried": totals["num_retried"] + tf.cast(report["retries"], tf.float32),
+        "num_retries": totals["num_retries"] + tf.cast(report["retries"], tf.float32),
         "metric_sums": {name: total + report["metrics"][name] * report["weight"]
                         for name, total in totals["metric_sums"].items()},
         "metric_weight": totals["metric_weight"] + report["weight"],
@@ -119,7 +119,7 @@ def log_progress(step: int, num_steps: int, scalars: Mapping[str, float]) -> Non
     (the last two when the interval was timed)."""
     shown = [_progress_item(name, value, scalars) for name, value in scalars.items()
              if name.split("/")[0] not in ("skipped_total", "learning_rate", "grad_norm", *_SPEED_TAGS)
-             and not (name.split("/")[0] == "retried_steps" and not value)]
+             and not (name.split("/")[0] == "retries" and not value)]
     logging.info("step %d/%d  %s%s", step, num_steps, "  ".join(shown),
                  _speed_and_eta(num_steps - step, scalars.get("steps_per_sec")))
 
@@ -142,8 +142,8 @@ def _progress_item(name: str, value: float, scalars: Mapping[str, float]) -> str
         return f"updates{suffix} {int(value)}"
     if base == "skipped_steps":
         return f"skipped{suffix} {int(value)} (total {int(scalars['skipped_total' + suffix])})"
-    if base == "retried_steps":
-        return f"retried{suffix} {int(value)}"
+    if base == "retries":
+        return f"retries{suffix} {int(value)}"
     return f"{name} {value:.4f}"
 
 
@@ -153,7 +153,7 @@ def log_eval(step: int, metrics: Mapping[str, float]) -> None:
     logging.info("eval at step %d: %s", step, text)
 
 
-_SUMMED = ("loss_sum", "num_finite_loss", "grad_norm_sum", "num_applied", "num_ran", "num_retried",
+_SUMMED = ("loss_sum", "num_finite_loss", "grad_norm_sum", "num_applied", "num_ran", "num_retries",
            "metric_weight")
 
 
@@ -209,7 +209,7 @@ class Interval:
                 summary[name] = total / t["metric_weight"] if t["metric_weight"] else math.nan
             summary[tagged("skipped_steps")] = float(skipped[objective])
             summary[tagged("skipped_total")] = float(skipped_totals[objective])
-            summary[tagged("retried_steps")] = t["num_retried"]
+            summary[tagged("retries")] = t["num_retries"]
             if objective in cadenced:
                 summary[tagged("updates")] = t["num_ran"]
             if t["num_applied"]:
@@ -223,7 +223,7 @@ class Interval:
 
 
 # Train scalars that describe the run's pace or settings rather than what it learned.
-_NOT_RESULTS = ("skipped_steps", "retried_steps", "updates", "learning_rate", "loss_scale", "grad_norm",
+_NOT_RESULTS = ("skipped_steps", "retries", "updates", "learning_rate", "loss_scale", "grad_norm",
                 *_SPEED_TAGS)
 
 
