@@ -85,6 +85,22 @@ def test_the_first_skip_is_logged_once_with_its_variables(tmp_path, caplog):
     assert "bad data" not in lines[0]
 
 
+def test_an_overflow_a_lower_scale_cures_is_retried_and_logged_once_with_its_variables(tmp_path, caplog):
+    """Started at 2**24, the first steps overflow in the float16 body; each is taken again at the
+    halved scale until it fits: no update skipped, the first retry named once."""
+    caplog.set_level(logging.INFO)
+    trainer = make_trainer(tmp_path, **{"precision.initial_scale": 2.0**24,
+                                        "precision.overflow_retries": 30})
+    trainer.train()
+    lines = [r.getMessage() for r in caplog.records if "First overflow retried" in r.getMessage()]
+    assert len(lines) == 1 and "hidden_0/kernel" in lines[0], lines
+    assert trainer.state.skipped_totals() == {"model": 0}
+    num_steps = trainer.config.train.num_steps
+    assert int(trainer.objectives["model"].optimizer.iterations.numpy()) == num_steps
+    assert float(trainer.objectives["model"].loss_scale.scale) < 2.0**24
+    assert not [r for r in caplog.records if "First skipped update" in r.getMessage()]
+
+
 def test_a_first_skip_from_nan_inputs_says_the_data_is_bad(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     trainer = make_trainer(tmp_path, **{"data.nan_batches": [2]})

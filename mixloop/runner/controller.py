@@ -87,8 +87,9 @@ class Runnable(Protocol):
         """Batches in one pass over the train data, or None when it repeats; raises `UserError`
         for a train set known to be empty."""
 
-    def nonfinite_variable_paths(self, objective: str) -> list[str]:
-        """The variables behind an objective's latest streak of skipped updates."""
+    def nonfinite_variable_paths(self, objective: str, latest: bool = False) -> list[str]:
+        """The variables behind an objective's latest streak of skipped updates (`latest`: behind
+        its latest overflowed attempt, a retried one included)."""
 
     def start_precision(self) -> None:
         """The automatic precision settings, from a probe of the weights, before the first update."""
@@ -208,7 +209,7 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest, num_batches
         logging.info("Already trained to step %d of %d; nothing to do.", step, num_steps)
     metrics: dict[str, float] = {}
     interval = reporting.Interval(step, trainer.state.skipped_totals())
-    recoveries, heals, logged_first_skips = 0, 0, set()
+    recoveries, heals, logged_first_skips, logged_first_retries = 0, 0, set(), set()
     while stop.signal_number is None:
         if step >= last_step:
             return metrics, guard.END_OF_DATA if step < num_steps else guard.CONTINUE
@@ -232,6 +233,7 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest, num_batches
             compiled = True
         step = int(trainer.global_step.numpy())
         _log_first_skips(trainer, interval, logged_first_skips)
+        _log_first_retries(trainer, totals, logged_first_retries)
         diverged = _divergence(trainer, totals)
         if diverged:
             if recoveries >= config.train.max_recoveries:  # Before any save: no bad checkpoint.
@@ -410,6 +412,20 @@ def _log_first_skips(trainer: Runnable, interval: reporting.Interval, logged: se
         logging.info("First skipped update%s (non-finite gradients) by step %d: non-finite in %s%s",
                      f" of objective {objective!r}" if many else "", int(trainer.global_step.numpy()),
                      guard.describe_variables(trainer.nonfinite_variable_paths(objective)), bad_data)
+
+
+def _log_first_retries(trainer: Runnable, totals: dict, logged: set) -> None:
+    """Names, once per objective and run, the variables whose overflow first made a step be taken
+    again (`precision.overflow_retries`): a cured overflow leaves no skip to name them."""
+    many = len(trainer.objectives) > 1
+    for objective, objective_totals in totals["objectives"].items():
+        if not objective_totals["num_retries"] or objective in logged:
+            continue
+        logged.add(objective)
+        logging.info("First overflow retried%s by step %d (taken again on its batch at a lower "
+                     "loss scale): non-finite in %s", f" in objective {objective!r}" if many else "",
+                     int(trainer.global_step.numpy()),
+                     guard.describe_variables(trainer.nonfinite_variable_paths(objective, latest=True)))
 
 
 def _report_train(trainer: Runnable, writer: reporting.MetricWriter, step: int,

@@ -360,9 +360,11 @@ class Trainer:
         return tf.train.Checkpoint(**{name: value for name, value in self.checkpointed.items()
                                       if name != "train_iterator"})
 
-    def nonfinite_variable_paths(self, objective: str = SINGLE) -> list[str]:
+    def nonfinite_variable_paths(self, objective: str = SINGLE, latest: bool = False) -> list[str]:
         """Paths of the variables whose gradients were non-finite first in the latest skip streak
-        of `objective`."""
+        of `objective` (`latest`: in its latest overflowed attempt, a retried one included)."""
+        if latest:
+            return self.train_step.nonfinite_variable_paths(objective)
         return masked_paths(self.objectives[objective].variables,
                             self.state.skips[objective].first_nonfinite)
 
