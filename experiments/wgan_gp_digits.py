@@ -23,13 +23,14 @@ Run (from the repository root)::
     python -m mixloop.train --config=experiments/wgan_gp_digits.py --workdir=runs/wgan_gp_digits
     python -m mixloop.train --config=experiments/wgan_gp_digits.py:quick --workdir=runs/wgan_gp_quick
 
-Expect, on 2 CPU cores: about 4.5 minutes in mixed_float16 (269 s measured: 10,000 updates at ~43
-per second with XLA, after a 23 s probe of the compile modes: float16 convolutions' double backward
+Expect, on 2 CPU cores: about 4.5 minutes in mixed_float16 (282 s measured: 10,000 updates at ~40
+per second with XLA, after a 24 s probe of the compile modes: float16 convolutions' double backward
 is slow on a CPU; 79 s in float32, graph mode),
-ending at Fréchet distance 1.3, confidence 0.77, all 10 digits covered (1.2672 / 0.773 / 10
-measured; float32 1.4290 / 0.744 / 10), still improving (6.1 at step 2,500, 2.4 at 7,500). The
-critic's scale grows to 2**17 and its penalty's backward overflows 3 times (3 updates skipped);
-the generator's skips none.
+ending at Fréchet distance 1.2, confidence 0.77, all 10 digits covered (1.1889 / 0.773 / 10
+measured; float32 1.4290 / 0.744 / 10), still improving (6.1 at step 2,500, 2.5 at 7,500). The
+critic's penalty backward overflows 3 times: twice on a step of the critic's alone, taken again
+on its batch at the halved scale (`precision.overflow_retries`), once at step 8,300, where the
+generator's update went ahead, so the critic's is skipped (1 update); the generator's skips none.
 The `quick` variant (100 updates, 20 of the generator's, of a narrower pair) only checks that
 everything runs.
 """

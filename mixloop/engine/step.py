@@ -200,6 +200,10 @@ class TrainStep:
         # Only a dynamic scale backs off, so only under one can a retry end otherwise.
         self.overflow_retries = int(overflow_retries) if any(
             isinstance(o.loss_scale, DynamicLossScale) for o in self.objectives.values()) else 0
+        # What a retry must put back beyond the skipped objectives' own rollbacks: the model's
+        # non-trainable state outside every objective updated at each step.
+        rolled_back = {id(v) for o in self.objectives.values() if o.every_steps == 1 for v in o.state}
+        self._retry_state = [v for v in model.non_trainable_variables if id(v) not in rolled_back]
         self.recompile()
 
     def recompile(self) -> None:
@@ -256,26 +260,21 @@ class TrainStep:
         return self._retrying_overflows(batch)
 
     def _retrying_overflows(self, batch: Batch) -> dict[str, Any]:
-        """The compiled step on `batch`, taken again while `_curable_overflow` says so (at most
-        `overflow_retries` more times); one call site, so the step is traced and compiled once."""
-        state = self.model.non_trainable_variables
-        state_before = [tf.identity(variable) for variable in state]
-
-        def attempt(attempts, again, report):
+        """The compiled step on `batch`, called again while its report says `retry` (the step
+        decides, and puts its number and state back, itself: see `step`). One call site in a
+        `tf.while_loop` whose only other ops are the loop's own: the step is traced and compiled
+        once, and a step that does not overflow pays for little more than the loop."""
+        def attempt(number, again, report):
             del again, report
-            report = self._compiled(batch)
-            again = tf.logical_and(attempts < self.overflow_retries, self._curable_overflow(report))
-            # The same step again: its number (and so every cadence), and the state it started from.
-            self.global_step.assign_sub(tf.cast(again, tf.int64))
-            for variable, value in zip(state, state_before):
-                variable.assign(tf.where(again, value, variable))
-            return attempts + 1, again, report
+            report = self._compiled(batch, number)
+            return number + 1, report["retry"], report
 
         first_scales = {name: objective.loss_scale.scale for name, objective in self.objectives.items()}
-        outputs = self._compiled.get_concrete_function(batch).structured_outputs
+        outputs = self._compiled.get_concrete_function(batch, tf.constant(0)).structured_outputs
         unset = tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), outputs)
         attempts, _, report = tf.while_loop(lambda _, again, __: again, attempt,
                                             (tf.constant(0), tf.constant(True), unset))
+        del report["retry"]
         for name, objective in self.objectives.items():
             objective_report = report["objectives"][name]
             objective_report["retries"] = tf.where(objective_report["ran"], attempts - 1, 0)
@@ -288,13 +287,12 @@ class TrainStep:
                 objective.loss_scale.back_off_once_from(first_scales[name], uncured)
         return report
 
-    def _curable_overflow(self, report: dict[str, Any]) -> tf.Tensor:
-        """Whether the step just taken skipped every update due, each for non-finite gradients from
+    def _curable_overflow(self, reports: dict[str, dict], inputs_finite: tf.Tensor) -> tf.Tensor:
+        """Whether this attempt skipped every update due, each for non-finite gradients from
         finite inputs and a finite loss, with its scale now lower than the one it used."""
-        inputs_finite = report["inputs_finite"]
         due_and_curable, any_due = [], []
         for name, objective in self.objectives.items():
-            r = report["objectives"][name]
+            r = reports[name]
             curable = tf.logical_and(tf.logical_not(r["applied"]), tf.math.is_finite(r["loss"]))
             curable = tf.logical_and(curable, objective.loss_scale.scale < r["loss_scale"])
             due_and_curable.append(tf.logical_or(tf.logical_not(r["ran"]), curable))
@@ -302,16 +300,20 @@ class TrainStep:
         return tf.logical_and(inputs_finite, tf.logical_and(tf.reduce_all(due_and_curable),
                                                             tf.reduce_any(any_due)))
 
-    def step(self, batch: Batch) -> dict[str, Any]:
+    def step(self, batch: Batch, attempt: Optional[tf.Tensor] = None) -> dict[str, Any]:
         """The step's body, uncompiled: for callers that trace it inside their own `tf.function`
         (one attempt: no retries, and no `retries` in its reports).
 
         Runs in cross-replica context: the gradient phase runs on every replica, the decision to
         apply is taken once per objective, and the updates themselves run on every replica again.
+        With `attempt` (0 for a batch's first; `overflow_retries` > 0) the report also says whether
+        to `retry`, and a step to be retried leaves its number and the model's state as it found
+        them: all inside the compiled step, where XLA fuses it.
         """
         scales = {name: objective.loss_scale.scale for name, objective in self.objectives.items()}
         saved_states = {name: [tf.identity(v) for v in objective.state]
                         for name, objective in self.objectives.items()}
+        retry_state = [tf.identity(v) for v in self._retry_state] if attempt is not None else []
         step_number = tf.convert_to_tensor(self.global_step) + 1  # The step this update makes.
         grads, reports = self.strategy.run(self._replica_gradients, args=(batch, step_number))
         reports = tf.nest.map_structure(self._first_replica, reports)
@@ -333,8 +335,19 @@ class TrainStep:
             objective_reports[name] = {**report, "loss_scale": scales[name],
                                        "ran": tf.constant(True) if due[name] is None else due[name],
                                        "applied": _when(due[name], update, lambda: tf.constant(False))}
-        self.global_step.assign_add(1)
-        return {"objectives": objective_reports, "inputs_finite": reports["inputs_finite"]}
+        report = {"objectives": objective_reports, "inputs_finite": reports["inputs_finite"]}
+        if attempt is None:
+            self.global_step.assign_add(1)
+            return report
+        retry = tf.logical_and(attempt < self.overflow_retries,
+                               self._curable_overflow(objective_reports, reports["inputs_finite"]))
+        # A step to be taken again is the same step: its number (and so every cadence) stays, and
+        # so does the state of the layers no skip rolled back (an objective not due, the model's own
+        # seed generators).
+        self.global_step.assign_add(1 - tf.cast(retry, tf.int64))
+        for variable, value in zip(self._retry_state, retry_state):
+            variable.assign(tf.where(retry, value, variable))
+        return {**report, "retry": retry}
 
     def _due(self, step_number: tf.Tensor) -> dict[str, Optional[tf.Tensor]]:
         """Per objective, whether update `step_number` is one of its (a bool tensor), or None for
