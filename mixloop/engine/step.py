@@ -268,28 +268,34 @@ class TrainStep:
             report = self._compiled(batch, number)
             return number + 1, report["retry"], report
 
-        def attempts_from(number, report):
-            return tf.while_loop(lambda _, again, __: again, attempt, (number, tf.constant(True), report))
+        def settled_from(number, report, first_scales):
+            attempts, _, report = tf.while_loop(lambda _, again, __: again, attempt,
+                                                (number, tf.constant(True), report))
+            return self._settled(attempts, report, first_scales)
 
         first_scales = {name: objective.loss_scale.scale for name, objective in self.objectives.items()}
         if self.jit_compile:
             # The loop only where the first attempt overflowed: around every step it cost T5's
             # 8 ms XLA step 8%, the conditional 1.5%. XLA compiles the step once for both calls.
             first = self._compiled(batch, tf.constant(0))
-            attempts, _, report = tf.cond(first["retry"], lambda: attempts_from(tf.constant(1), first),
-                                          lambda: (tf.constant(1), first["retry"], first))
-        else:
-            # Graph mode would inline a second call site's step into the graph again (charlm:
-            # compiling 5 s → 10 s); the loop around one call costs its steps 0.5%.
-            outputs = self._compiled.get_concrete_function(batch, tf.constant(0)).structured_outputs
-            unset = tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), outputs)
-            attempts, _, report = attempts_from(tf.constant(0), unset)
+            return tf.cond(first["retry"], lambda: settled_from(tf.constant(1), first, first_scales),
+                           lambda: self._settled(tf.constant(1), first, {}))
+        # Graph mode would inline a second call site's step into the graph again (charlm:
+        # compiling 5 s → 10 s); the loop around one call costs its steps 0.5%.
+        outputs = self._compiled.get_concrete_function(batch, tf.constant(0)).structured_outputs
+        unset = tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), outputs)
+        return settled_from(tf.constant(0), unset, first_scales)
+
+    def _settled(self, attempts: tf.Tensor, report: dict[str, Any], first_scales: dict) -> dict[str, Any]:
+        """The last attempt's report with each objective's `retries`; an objective no retry cured
+        (given `first_scales`, the scales of the batch's first attempt; none where nothing was
+        retried) counts as a plain skip: its first scale in the report, one back-off from it."""
+        report = {**report, "objectives": {name: dict(r) for name, r in report["objectives"].items()}}
         del report["retry"]
         for name, objective in self.objectives.items():
             objective_report = report["objectives"][name]
             objective_report["retries"] = tf.where(objective_report["ran"], attempts - 1, 0)
-            if isinstance(objective.loss_scale, DynamicLossScale):
-                # No retry cured it: the step counts as one skip at its first scale, one back-off.
+            if name in first_scales and isinstance(objective.loss_scale, DynamicLossScale):
                 uncured = tf.logical_and(objective_report["retries"] > 0,
                                          tf.logical_not(objective_report["applied"]))
                 objective_report["loss_scale"] = tf.where(uncured, first_scales[name],
