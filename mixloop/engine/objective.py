@@ -51,6 +51,13 @@ class Objective:
         return list(self.layer.trainable_variables)
 
     @property
+    def overwritten(self) -> list[bool]:
+        """Per variable: Keras overwrites it with its "gradient" (`overwrite_with_gradient`: float8's
+        scales and amax histories), which is its new value, not a derivative. The step never scales,
+        weights, sums, clips or averages these: it combines them by maximum, as Keras does."""
+        return [bool(getattr(v, "overwrite_with_gradient", False)) for v in self.variables]
+
+    @property
     def state(self) -> list:
         """Non-trainable variables the forward pass may update, restored on a skipped update."""
         return list(self.layer.non_trainable_variables)

@@ -21,6 +21,12 @@ The order of operations, once per call (a model with one loss has one objective)
     if every update due was skipped for an overflow the backed-off scales may cure
     (`overflow_retries`): take the same step again, on the same batch
 
+A variable Keras overwrites with its "gradient" (`overwrite_with_gradient`: float8's scales and
+amax histories, whose "gradient" is their new value) is carried as what it is: never unscaled or
+weighted, combined across micro-batches and replicas by maximum (as Keras's accumulation does),
+left out of the norm, the clipping and the EMA, checked for finiteness like any gradient and
+written by the optimizer with the update (so a skip leaves it).
+
 With `batch_loss=True`, for losses that couple a batch's examples (contrastive ones), the loop
 over micro-batches becomes GradCache's two passes (engine/batch_loss.py): the loss is computed
 once, on the outputs of the whole global batch, and each micro-batch's backward starts from its
@@ -176,6 +182,9 @@ class TrainStep:
         self.global_step = global_step if global_step is not None else tf.Variable(
             0, dtype=tf.int64, trainable=False, name="global_step")
         self._traced_metric_names: Optional[dict[str, list[str]]] = None
+        # Per objective and trainable variable: its "gradient" is its new value (float8's scales and
+        # amax histories; see Objective.overwritten), combined by maximum, never scaled or clipped.
+        self._overwritten = {name: o.overwritten for name, o in self.objectives.items()}
         # Per objective and trainable variable: non-finite in that objective's last overflowed
         # attempt (a skipped update, or an attempt a retry then cured).
         self.nonfinite_gradients = {name: tf.Variable(
@@ -186,8 +195,9 @@ class TrainStep:
         # Per objective and trainable variable, known while tracing: the loss does not reach it.
         self.unused_variables: dict[str, list[bool]] = {}
         # Per objective, with ema_decay > 0: the moving average of its weights over applied updates.
-        self.ema = {name: ExponentialMovingAverage(objective.variables, ema_decay, name=f"ema_{name}")
-                    for name, objective in self.objectives.items()} if ema_decay else {}
+        self.ema = {name: ExponentialMovingAverage(
+            _select(objective.variables, _negated(self._overwritten[name])), ema_decay, name=f"ema_{name}")
+            for name, objective in self.objectives.items()} if ema_decay else {}
         for objective in self.objectives.values():
             # Slots must exist before tracing: a lazily built optimizer cannot be traced inside a cond.
             objective.optimizer.build(objective.variables)
@@ -378,22 +388,31 @@ class TrainStep:
         accumulate = self._accumulate_two_passes if self.two_pass else self._accumulate
         grads, sums = accumulate(batch, step_number)
         # The only communication of the update: every objective's gradients and sums, and the input
-        # check, in one all-reduce.
-        grads, sums, nonfinite_inputs = _sum_over_replicas((grads, sums, nonfinite_inputs))
+        # check, in one all-reduce (and the overwritten variables' new values in a second, by maximum).
+        new_values = {name: _select(grads[name], self._overwritten[name]) for name in self.objectives}
+        derivatives = {name: _select(grads[name], _negated(self._overwritten[name]))
+                       for name in self.objectives}
+        derivatives, sums, nonfinite_inputs = _sum_over_replicas((derivatives, sums, nonfinite_inputs))
+        new_values = _max_over_replicas(new_values)
+        grads = {name: _merged(self._overwritten[name], new_values[name], derivatives[name])
+                 for name in self.objectives}
         # Every replica now holds the same sums, so the local verdicts are already the global ones.
-        checked = {name: self._check_and_clip(grads[name], sums[name]) for name in self.objectives}
+        checked = {name: self._check_and_clip(name, grads[name], sums[name]) for name in self.objectives}
         return ({name: grads for name, (grads, _) in checked.items()},
                 {"objectives": {name: report for name, (_, report) in checked.items()},
                  "inputs_finite": tf.equal(nonfinite_inputs, 0.0)})
 
-    def _check_and_clip(self, grads: list, sums: dict[str, Any]) -> tuple[list, dict[str, Any]]:
-        """One objective's summed gradients averaged by its weight, checked for finiteness, clipped."""
+    def _check_and_clip(self, name: str, grads: list, sums: dict[str, Any]) -> tuple[list, dict[str, Any]]:
+        """Objective `name`'s summed gradients averaged by its weight, checked for finiteness,
+        clipped; the new values of its overwritten variables only checked."""
         weight = sums["weight"]
-        grads = [g / weight for g in grads]
-        finite_per_variable = leaves_finite(grads)
-        grad_norm = tf.linalg.global_norm(grads)
+        overwritten = self._overwritten[name]
+        derivatives = [g / weight for g in _select(grads, _negated(overwritten))]
+        finite_per_variable = leaves_finite(grads)  # A non-finite new value is an overflow too.
+        grad_norm = tf.linalg.global_norm(derivatives)
         if self.clip_global_norm is not None:
-            grads, _ = tf.clip_by_global_norm(grads, self.clip_global_norm, use_norm=grad_norm)
+            derivatives, _ = tf.clip_by_global_norm(derivatives, self.clip_global_norm, use_norm=grad_norm)
+        grads = _merged(overwritten, _select(grads, overwritten), derivatives)
         return grads, {"loss": sums["loss"] / weight, "grads_finite": tf.reduce_all(finite_per_variable),
                        "grad_norm": grad_norm, "weight": weight,
                        "metrics": {name: value / weight for name, value in sums["metrics"].items()},
@@ -414,7 +433,7 @@ class TrainStep:
 
         names = self.metric_names(tf.nest.map_structure(
             lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro_batches))
-        zeros = (self._zero_gradients(),
+        zeros = (self._no_gradients(),
                  {name: _weighted_sums(Loss(0.0, 0.0, {metric: 0.0 for metric in names[name]}))
                   for name in self.objectives})
         _, (grads, sums) = tf.while_loop(
@@ -442,9 +461,8 @@ class TrainStep:
                                                      accumulated)
 
         _, grads = tf.while_loop(lambda i, *_: i < self.accumulation_steps, body,
-                                 (tf.constant(0), self._zero_gradients()))
-        grads = {name: [_times_weight(g, losses[name].weight) for g in grads[name]]
-                 for name in self.objectives}
+                                 (tf.constant(0), self._no_gradients()))
+        grads = {name: self._weighted(name, grads[name], losses[name].weight) for name in self.objectives}
         return grads, global_batch.on_first_replica(
             {name: _weighted_sums(loss) for name, loss in losses.items()})
 
@@ -487,13 +505,27 @@ class TrainStep:
                 return self._unscaled(name, tape.gradient(leaves, objective.variables,
                                                           output_gradients=seeds))
 
-            grads[name] = _when(due[name], gradients, lambda: self._zero_gradients()[name])
-        return tf.nest.map_structure(tf.add, accumulated, grads)
+            grads[name] = _when(due[name], gradients, lambda: self._no_gradients()[name])
+        return self._added(accumulated, grads)
 
-    def _zero_gradients(self) -> dict[str, list]:
-        """Float32 zeros shaped as each objective's variables."""
-        return {name: [tf.zeros(v.shape, tf.float32) for v in objective.variables]
+    def _no_gradients(self) -> dict[str, list]:
+        """What adds nothing to accumulated gradients, shaped as each objective's variables: float32
+        zeros, and the lowest float32 for an overwritten variable (combined by maximum)."""
+        return {name: [tf.fill(v.shape, tf.float32.min if overwritten else 0.0)
+                       for v, overwritten in zip(objective.variables, self._overwritten[name])]
                 for name, objective in self.objectives.items()}
+
+    def _added(self, accumulated: dict[str, list], grads: dict[str, list]) -> dict[str, list]:
+        """Per objective, `grads` added to `accumulated`; for an overwritten variable, their maximum
+        (Keras's gradient accumulation keeps the largest amax a micro-batch saw, not the last)."""
+        return {name: [tf.maximum(a, g) if overwritten else a + g for a, g, overwritten in
+                       zip(accumulated[name], grads[name], self._overwritten[name])]
+                for name in accumulated}
+
+    def _weighted(self, name: str, grads: list, weight: tf.Tensor) -> list:
+        """Objective `name`'s gradients times the loss `weight`; new values as they are."""
+        return [g if overwritten else _times_weight(g, weight)
+                for g, overwritten in zip(grads, self._overwritten[name])]
 
     def _unscaled(self, name: str, scaled_grads: list) -> list:
         """Objective `name`'s gradients from its scaled backward, unscaled into float32.
@@ -504,14 +536,17 @@ class TrainStep:
         """
         objective = self.objectives[name]
         self.unused_variables[name] = [grad is None for grad in scaled_grads]
-        return objective.loss_scale.unscale(
-            [_zeros_if_none(g, v) for g, v in zip(scaled_grads, objective.variables)])
+        grads = [_zeros_if_none(g, v) for g, v in zip(scaled_grads, objective.variables)]
+        # A new value is not scaled by the loss scale (an output-gradient amax is measured on the
+        # scaled backward it will quantize, as under Keras's LossScaleOptimizer).
+        return [g if overwritten else unscaled for g, unscaled, overwritten in
+                zip(grads, objective.loss_scale.unscale(grads), self._overwritten[name])]
 
     def _add_micro_batch(self, micro_batches: Batch, index: tf.Tensor, step_number: tf.Tensor,
                          accumulated: tuple) -> tuple:
         """`accumulated` (gradients and sums) plus those of micro-batch `index` of `micro_batches`."""
-        return tf.nest.map_structure(tf.add, accumulated,
-                                     self._micro_step(micro_batch_at(micro_batches, index), step_number))
+        grads, sums = self._micro_step(micro_batch_at(micro_batches, index), step_number)
+        return self._added(accumulated[0], grads), tf.nest.map_structure(tf.add, accumulated[1], sums)
 
     def metric_names(self, batch_spec: Any) -> dict[str, list[str]]:
         """Per objective, the names of the metrics `loss_fn` returns beside its loss, for batches of
@@ -561,9 +596,9 @@ class TrainStep:
         for name, objective in self.objectives.items():
             def gradients():
                 unscaled = self._unscaled(name, tape.gradient(scaled_losses[name], objective.variables))
-                return [_times_weight(g, losses[name].weight) for g in unscaled]
+                return self._weighted(name, unscaled, losses[name].weight)
 
-            grads[name] = _when(due[name], gradients, lambda: self._zero_gradients()[name])
+            grads[name] = _when(due[name], gradients, lambda: self._no_gradients()[name])
         return grads, {name: _weighted_sums(loss) for name, loss in losses.items()}
 
     def _apply(self, name: str, grads: list) -> tf.Tensor:
@@ -625,6 +660,18 @@ def _select(values: list, keep: list[bool]) -> list:
     return [value for value, kept in zip(values, keep) if kept]
 
 
+def _negated(flags: list[bool]) -> list[bool]:
+    """Each of `flags` negated."""
+    return [not flag for flag in flags]
+
+
+def _merged(chosen: list[bool], when_chosen: list, otherwise: list) -> list:
+    """The list `_select` split: the next of `when_chosen` where `chosen`, else the next of
+    `otherwise`."""
+    when_chosen, otherwise = iter(when_chosen), iter(otherwise)
+    return [next(when_chosen) if flag else next(otherwise) for flag in chosen]
+
+
 def _count_nonfinite_floats(tree: Any) -> tf.Tensor:
     """How many floating tensors of `tree` hold an inf or NaN, as a float32 scalar."""
     floats = [t for t in tf.nest.flatten(tree) if tf.as_dtype(t.dtype).is_floating]
@@ -635,7 +682,24 @@ def _count_nonfinite_floats(tree: Any) -> tf.Tensor:
 
 def _sum_over_replicas(value: Any) -> Any:
     """Sums `value` over the replicas of a `tf.distribute` strategy; identity on one replica."""
+    replica_context = _replicas()
+    return value if replica_context is None else replica_context.all_reduce(
+        tf.distribute.ReduceOp.SUM, value)
+
+
+def _max_over_replicas(value: Any) -> Any:
+    """The element-wise maximum of `value` over the replicas (tf.distribute's all-reduce has no
+    MAX: each tensor is gathered along a new first axis and reduced); identity on one replica."""
+    replica_context = _replicas()
+    if replica_context is None or not tf.nest.flatten(value):
+        return value
+    gathered = replica_context.all_gather(tf.nest.map_structure(lambda t: t[tf.newaxis], value), axis=0)
+    return tf.nest.map_structure(lambda t: tf.reduce_max(t, axis=0), gathered)
+
+
+def _replicas() -> Optional[tf.distribute.ReplicaContext]:
+    """The replica context when there are several replicas to reduce over, else None."""
     replica_context = tf.distribute.get_replica_context()
     if replica_context is None or replica_context.num_replicas_in_sync == 1:
-        return value
-    return replica_context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+        return None
+    return replica_context
