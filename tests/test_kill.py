@@ -161,3 +161,30 @@ def test_sigkill_keeps_the_cadence_of_an_objective_every_5_steps(tmp_path):
     state = final_state(tmp_path / "killed")
     assert any(name.startswith("objectives/generator") for name in state)
     assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))
+
+
+def test_sigkill_resumes_float8_training_bit_identical(tmp_path):
+    """Keras's float8 layers in mixed_float16 (tests/float8_experiment.py): killed after the
+    checkpoint of step 10 and resumed, every scale and amax history ends as in a straight run."""
+    def command(workdir):
+        return ["mixloop.train", f"--config={os.path.join(TESTS_DIR, 'float8_experiment.py')}:quick",
+                f"--workdir={workdir}", "--config.jit_compile=False"]
+
+    straight = cli_runs.run(*command(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = cli_runs.start(*command(tmp_path / "killed"), stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    state_file = tmp_path / "killed" / "checkpoints" / "checkpoint"
+    # The checkpoint's state file names it once the save is complete (its index appears mid-write).
+    while not (state_file.exists() and '"ckpt-10"' in state_file.read_text()):
+        assert killed.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    killed.kill()
+    killed.wait(timeout=60)
+    resumed = cli_runs.run(*command(tmp_path / "killed"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Restored {tmp_path / 'killed' / 'checkpoints' / 'ckpt-10'}" in resumed.stderr
+    state = final_state(tmp_path / "killed")
+    histories = [value for value in state.values() if value.shape == (1024,)]  # Keras's amax length.
+    assert len(histories) == 9 and all(history[0] > 0 for history in histories)  # 3 layers, trained.
+    assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))

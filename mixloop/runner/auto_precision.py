@@ -25,7 +25,8 @@ train batches from the current weights; what it advises is applied instead of pr
     checkpoint), `heal`:
         probe the weights the run diverged at on the run's next batches: the skipped updates left
             those weights finite, and they are the ones that overflowed (a last checkpoint long
-            before may not yet come near the limit); a recovery moves on to later data anyway
+            before may not yet come near the limit); a recovery moves on to later data anyway; a
+            probe that fails is a line, and the recovery goes on without a heal
         move the newly advised layers to float32, trace the loops anew, record as above
 
 Bad data is not healed (the controller asks only with finite inputs). The probe runs eagerly on one
@@ -117,7 +118,8 @@ def start(trainer) -> None:
 def heal(trainer) -> str:
     """Probes the weights the run diverged at on its next train batches and moves the layers found
     to float32, tracing the loops anew (the module docstring's divergence); returns a sentence
-    saying what moved, '' when the probe found nothing new or no batch was left."""
+    saying what moved, '' when the probe found nothing new, failed (a line says why) or no batch
+    was left."""
     precision = trainer.config.precision
     if not trainer.policy.is_mixed:
         return ""
@@ -126,7 +128,11 @@ def heal(trainer) -> str:
     if not batches:  # The recovery then ends the run at the end of the data.
         logging.warning("The healing probe found no train batch left to read")
         return ""
-    reports, found, evidence = _place(trainer, batches)
+    try:
+        reports, found, evidence = _place(trainer, batches)
+    except UserError as error:  # The recovery goes on without a heal.
+        logging.warning("The healing probe failed (%s); no layer moves", error)
+        return ""
     if not found:
         logging.info("The healing probe found no 16-bit layer to move to float32: %s",
                      _placement_sentence(reports[0], evidence, "", time.perf_counter() - started))
@@ -153,8 +159,8 @@ def cure(trainer) -> str:
         return f"; {doctor} names the layers that overflow float16, or {bfloat16}"
     try:
         paths = _probe(trainer, batches)[0].advice.float32_layers
-    except UserError:
-        return f"; {doctor} names the layers that overflow float16, or {bfloat16}"
+    except UserError as error:
+        return f"; the precision probe of the weights it diverged at failed ({error}); {bfloat16}"
     if not paths:
         return (f"; the precision probe of the weights it diverged at finds no layer overflowing "
                 f"float16 in the forward pass: {doctor} shows the gradients; {bfloat16}")

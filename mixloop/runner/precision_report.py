@@ -43,9 +43,14 @@ initial scale is that objective's, while `config.precision` starts every objecti
 `build_objectives` gives it its own).
 
 Gradients are those of one micro-batch's loss per weight (its mean), which is what the train step
-scales and differentiates; a variable the loss does not reach has a zero gradient. Layers are
-observed by wrapping each layer's `call` while the diagnosis runs, which works alike for functional,
-sequential and subclassed models and reaches sublayers (attention projections). Limits: values made
+scales and differentiates; a variable the loss does not reach has a zero gradient. Each pass runs
+traced, as the train step does, so a layer's custom gradient (`tf.custom_gradient`, Keras's float8
+layers) is taken as training takes it. A variable Keras overwrites with its "gradient"
+(`overwrite_with_gradient`: float8 scales and amax histories) has no gradient to measure: it is
+left out of every gradient statistic, and its new values count only where they are inf or NaN, as
+overflows. Layers are observed by wrapping each layer's call while the diagnosis runs, which works
+alike for functional, sequential and subclassed models and reaches sublayers (attention
+projections). Limits: values made
 between layers by plain ops (a residual add) appear only as the next layer's input; Keras's dropout
 and noise layers run in inference mode in every pass so that their masks cannot differ; every pass
 over a micro-batch starts from the same non-trainable state, so other draws from a Keras
@@ -64,7 +69,7 @@ import itertools
 import json
 import math
 import re
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import keras
 import ml_collections
@@ -73,12 +78,15 @@ import numpy as np
 import tensorflow as tf
 
 from mixloop.config import DEFAULT_INITIAL_SCALE, parse_loss_scale, split_auto
+from mixloop.engine import float8_layers
 from mixloop.engine.layer_precision import build_model, named_layers
 from mixloop.engine.loss import as_losses
 from mixloop.engine.policy import Policy
 from mixloop.engine.loss import per_weight
 from mixloop.engine.step import forward, split_micro_batches
-from mixloop.errors import UserError
+from mixloop.errors import UserError, described
+from mixloop.runner import float8_report
+from mixloop.runner.float8_report import Float8Advice, Float8Report
 
 MARGIN_BITS = 3  # Doublings of headroom kept free for batches and updates the diagnosis did not see.
 UNDERFLOW_TOLERANCE = 0.01  # The fraction of nonzero gradient values allowed to flush to zero.
@@ -149,6 +157,9 @@ class LayerReport:
     float32_non_finite_outputs: int  # Output elements that were inf or NaN even in float32.
     max_abs_output_grad: float  # Largest gradient of the (unscaled) loss by the output, float32 pass.
     output_grad_zero_fraction: float  # Of its nonzero values, those zero once scaled and cast.
+    # Dense and EinsumDense layers Keras can train in FP8: the policy model's values in float8
+    # (float8_report); None for other layers.
+    float8: Optional[Float8Report] = None
 
     @property
     def max_abs(self) -> float:
@@ -172,6 +183,10 @@ class VariableReport:
     absolute_error: float  # ||mixed gradient - float32 gradient||, as the module docstring's abs.err.
     relative_error: Optional[float]  # The module docstring's rel.err; None when float32's is noise.
     histogram: dict[int, int]  # {k: number of float32 magnitudes in [2**k, 2**(k+1))}.
+    # Keras's `overwrite_with_gradient` (float8 scales and amax histories): its "gradient" is its
+    # new value, so it has no gradient statistics (zeros, an empty histogram, rel.err None), and
+    # its overflow_fraction is of all its new values, those inf or NaN in either pass.
+    overwritten: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +203,7 @@ class Advice:
     bfloat16_zero_fraction: float  # 16-bit gradients that flush to zero in bfloat16 without a scale.
     bfloat16_safe: bool  # Whether mixed_bfloat16 avoids every range problem found.
     overrides: dict[str, Any]  # Config overrides applying it, e.g. {"precision.initial_scale": 1024.0}.
+    float8: Optional[Float8Advice] = None  # Which layers can train in FP8; None without any measured.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +300,8 @@ def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
     micro_batches = [micro_batch for batch in batches
                      for micro_batch in _micro_batches(batch, trainer.train_step.accumulation_steps)]
     twin = build_model(trainer.build_model, Policy.from_string("float32"))
+    # As the trainer quantized its model, so that the twin's variables pair with the model's.
+    float8_layers.quantize(twin, trainer.float8_paths)
     return [_diagnose_objective(trainer, name, twin, micro_batches, len(batches), loss_scale,
                                 relative_errors) for name in objectives]
 
@@ -329,11 +347,12 @@ def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batche
         # The forward passes ran in training mode, which moves e.g. BatchNorm statistics.
         _assign(model.variables, saved)
 
-    # Pooled over every gradient value computed in 16 bits.
+    # Pooled over every gradient value computed in 16 bits; an overwritten variable's new values
+    # count only where they are not finite (the update cannot use them either).
     low_variables = [v for v in variables if v.dtype != "float32"]
-    num_values = sum(v.num_values for v in low_variables) or 1
-    fractions = [sum(getattr(v, name) * v.num_values for v in low_variables) / num_values
-                 for name in ("zero_fraction", "subnormal_fraction", "overflow_fraction")]
+    gradients = [v for v in low_variables if not v.overwritten]
+    fractions = [_pooled(gradients, "zero_fraction"), _pooled(gradients, "subnormal_fraction"),
+                 _pooled(low_variables, "overflow_fraction")]
     # With several objectives, each gradient problem says whose loss it is about.
     whose = f"objective {objective!r}: " if len(trainer.objectives) > 1 else ""
     return PrecisionReport(
@@ -343,8 +362,15 @@ def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batche
         num_micro_batches=len(micro_batches), loss_scale=scale, comparison_scale=comparison_scale,
         gradient_zero_fraction=fractions[0], gradient_subnormal_fraction=fractions[1],
         gradient_overflow_fraction=fractions[2], layers=layers, variables=variables,
-        advice=_advise(layers, variables, fractions, scale, policy, trainer.config.precision, whose),
+        advice=_advise(layers, variables, fractions, scale, policy, trainer.config.precision, whose,
+                       _float8_paths(model)),
     )
+
+
+def _float8_paths(model: keras.Model) -> list[str]:
+    """The paths of the model's layers that train in FP8, quantized by the config or the research code."""
+    return [path for path, layer in named_layers(model).items()
+            if layer.quantization_mode == float8_layers.FLOAT8]
 
 
 def write_json(report: PrecisionReport, path: str) -> str:
@@ -399,24 +425,27 @@ def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, sc
     scale."""
     model, policy = trainer.model, trainer.policy
     model_layers = list(named_layers(model).items())
-    layer_tallies = {index: _LayerTally(path, layer.compute_dtype)
+    layer_tallies = {index: _LayerTally(path, layer)
                      for index, (path, layer) in enumerate(model_layers)
                      if tf.as_dtype(layer.compute_dtype).is_floating}
     variables = trainer.objectives[objective].variables
     dtypes = _gradient_dtypes(model_layers, variables, policy)
-    variable_tallies = [_VariableTally(v.path, dtype) for v, dtype in zip(variables, dtypes)]
+    variable_tallies = [_VariableTally(v.path, dtype, getattr(v, "overwrite_with_gradient", False))
+                        for v, dtype in zip(variables, dtypes)]
     float32_net = _Net(twin, Policy.from_string("float32"), list(named_layers(twin).values()),
                        _twin_variables(model, twin, variables))
-    order, float32_grads, states = _measure_float32(trainer, objective, float32_net, micro_batches,
-                                                    scale, layer_tallies, variable_tallies,
-                                                    relative_errors)
+    order, float32_grads, states = _measure_float32(
+        twin, _traced_pass(trainer, objective, float32_net), micro_batches, scale, layer_tallies,
+        variable_tallies, relative_errors)
     layers = [layer_tallies[i] for i in order]
     comparison_scale = _comparison_scale(scale, layers, variable_tallies, policy.compute_dtype)
-    mixed_net = _Net(model, policy, [layer for _, layer in model_layers], variables)
+    mixed_pass = _traced_pass(trainer, objective,
+                              _Net(model, policy, [layer for _, layer in model_layers], variables))
     for micro_batch, grads, state in zip(micro_batches, float32_grads, states):
-        mixed = _forward_backward(trainer, objective, mixed_net, micro_batch, comparison_scale, state)
+        mixed = mixed_pass(micro_batch, comparison_scale, state)
         for index in order:
-            layer_tallies[index].add_mixed(mixed.calls.get(index, []))
+            layer_tallies[index].add_mixed(mixed.calls.get(index, []), mixed.output_grads.get(index, []),
+                                           scale / comparison_scale)
         for tally, float32_grad, mixed_grad in zip(variable_tallies, grads, mixed.grads):
             tally.add_mixed(float32_grad, mixed_grad)
     eps = DtypeRange.of(policy.compute_dtype).eps
@@ -431,20 +460,21 @@ def _twin_variables(model: keras.Model, twin: keras.Model, variables: list) -> l
     return [twin.trainable_variables[places[id(variable)]] for variable in variables]
 
 
-def _measure_float32(trainer, objective: str, net: _Net, micro_batches: list, scale: float,
-                     layer_tallies: dict[int, _LayerTally], variable_tallies: list[_VariableTally],
-                     relative_errors: bool
+def _measure_float32(twin: keras.Model, float32_pass: Callable[[Any, float, list], _Pass],
+                     micro_batches: list, scale: float, layer_tallies: dict[int, _LayerTally],
+                     variable_tallies: list[_VariableTally], relative_errors: bool
                      ) -> tuple[list[int], list[list[np.ndarray]], list[list[np.ndarray]]]:
-    """Runs the float32 pass of `net` over every micro-batch and (for `relative_errors`) repeats
-    it at NOISE_SCALE, adding both to the tallies; returns the indices of the layers called, in the order of their first calls,
-    every micro-batch's float32 gradients, and the non-trainable state each micro-batch started from."""
+    """Runs `float32_pass` (through `twin`) over every micro-batch and (for `relative_errors`)
+    repeats it at NOISE_SCALE, adding both to the tallies; returns the indices of the layers called,
+    in the order of their first calls, every micro-batch's float32 gradients, and the non-trainable
+    state each micro-batch started from."""
     order: dict[int, None] = {}
     float32_grads, states = [], []
     for micro_batch in micro_batches:
-        states.append([variable.numpy() for variable in net.model.non_trainable_variables])
-        reference = _forward_backward(trainer, objective, net, micro_batch, 1.0, states[-1])
-        repeated = (_forward_backward(trainer, objective, net, micro_batch, NOISE_SCALE, states[-1])
-                    .grads if relative_errors else [None] * len(reference.grads))
+        states.append([variable.numpy() for variable in twin.non_trainable_variables])
+        reference = float32_pass(micro_batch, 1.0, states[-1])
+        repeated = (float32_pass(micro_batch, NOISE_SCALE, states[-1]).grads if relative_errors
+                    else [None] * len(reference.grads))
         order.update(dict.fromkeys(i for i in reference.calls if i in layer_tallies))
         for index in order:
             layer_tallies[index].add_float32(reference.calls.get(index, []),
@@ -474,61 +504,147 @@ def _micro_batches(batch: Any, num_micro_batches: int) -> list:
     return [tf.nest.map_structure(lambda t, i=i: t[i], split) for i in range(num_micro_batches)]
 
 
-def _forward_backward(trainer, objective: str, net: _Net, batch: Any, scale: float,
-                      state: list[np.ndarray]) -> _Pass:
-    """The train step's micro-step for `objective` through `net`, recording every layer call;
-    gradients are unscaled. It starts from the non-trainable `state` (seed generators' states,
-    BatchNorm statistics), so that every pass over a micro-batch draws the same random numbers."""
-    _assign(net.model.non_trainable_variables, state)
-    with tf.GradientTape() as tape, _recording_calls(net.layers, tape.watch) as calls:
-        outputs = forward(net.model, net.policy, trainer.model_inputs(batch), training=True)
-        loss = as_losses(trainer.compute_loss(outputs, batch), trainer.objectives)[objective]
-        scaled_loss = per_weight(loss.value, tf.stop_gradient(loss.weight)) * scale  # as the step does
-    layer_outputs = {index: [call.outputs for call in records] for index, records in calls.items()}
-    grads, output_grads = tape.gradient(scaled_loss, (net.variables, layer_outputs))
-    grads = [tf.zeros(v.shape) if g is None else g for g, v in zip(grads, net.variables)]
-    output_grads = tf.nest.map_structure(
-        lambda g, t: tf.zeros_like(t) if g is None else g, output_grads, layer_outputs)
-    return _Pass(
-        calls=calls,
-        grads=[_as_float32(g) / np.float32(scale) for g in grads],
-        output_grads=tf.nest.map_structure(_as_float32, output_grads),
-    )
+def _traced_pass(trainer, objective: str, net: _Net) -> Callable[[Any, float, list], _Pass]:
+    """The train step's micro-step for `objective` through `net`, recording every layer call, as a
+    function of (micro-batch, loss scale, non-trainable state); its gradients are unscaled. Each
+    pass starts from the non-trainable `state` (seed generators' states, BatchNorm statistics), so
+    that every pass over a micro-batch draws the same random numbers.
+
+    The passes run inside a `tf.function`, as the train step does, not eagerly: eager
+    `tf.custom_gradient` treats a Keras variable passed as an argument as a captured variable
+    (it compares the wrapper with the `tf.Variable` read inside) and calls the gradient with
+    `variables=`, which Keras's float8 layers (`model.quantize("float8")`) do not answer; traced,
+    the arguments are read first and the gradient is the one the train step takes."""
+
+    failures: list[tuple[int, str, Exception]] = []  # (layer index, stage, error), finest first.
+
+    @tf.function
+    def traced(batch, scale):
+        with tf.GradientTape() as tape, _recording_calls(net.layers, tape.watch, failures) as calls:
+            outputs = forward(net.model, net.policy, trainer.model_inputs(batch), training=True)
+            loss = as_losses(trainer.compute_loss(outputs, batch), trainer.objectives)[objective]
+            scaled_loss = per_weight(loss.value, tf.stop_gradient(loss.weight)) * scale  # As the step.
+        layer_outputs = {index: [call.outputs for call in records] for index, records in calls.items()}
+        try:
+            grads, output_grads = tape.gradient(scaled_loss, (net.variables, layer_outputs))
+        except Exception as error:  # A layer's own custom gradient: whatever it raises.
+            if calls.in_backward:
+                calls.failures.append((calls.in_backward[-1], "backward", error))
+            raise
+        grads = [tf.zeros(v.shape) if g is None else g for g, v in zip(grads, net.variables)]
+        output_grads = tf.nest.map_structure(
+            lambda g, t: tf.zeros_like(t) if g is None else g, output_grads, layer_outputs)
+        # A function returns tensors in sorted structures: the calls' order goes out as a tensor.
+        order = tf.constant(list(calls), tf.int32, shape=[len(calls)])
+        records = {index: [(call.inputs, call.outputs) for call in records]
+                   for index, records in calls.items()}
+        return order, records, grads, output_grads
+
+    def run(batch: Any, scale: float, state: list[np.ndarray]) -> _Pass:
+        _assign(net.model.non_trainable_variables, state)
+        try:
+            order, records, grads, output_grads = traced(batch, tf.constant(scale, tf.float32))
+        except Exception:
+            if not failures:
+                raise
+            index, stage, error = failures[0]
+            path = list(named_layers(net.model))[index]
+            raise UserError(f"layer {path!r} ({type(net.layers[index]).__name__}) cannot be "
+                            f"measured: its {stage} pass, traced as the train step traces it, "
+                            f"raised {described(error)}") from None
+        return _Pass(
+            calls={index: [_Call(*call) for call in records[index]] for index in order.numpy().tolist()},
+            grads=[_as_float32(g) / np.float32(scale) for g in grads],
+            output_grads=tf.nest.map_structure(_as_float32, output_grads),
+        )
+
+    return run
+
+
+class _Calls(dict):
+    """Layer index -> its calls; `in_backward`: the layers the backward pass has entered at an output
+    and not yet left at every input, innermost last (a failing custom gradient is in the last);
+    `failures`: where to add (layer index, "forward" or "backward", the error) when one fails."""
+
+    def __init__(self, failures: list[tuple[int, str, Exception]]):
+        super().__init__()
+        self.in_backward: list[int] = []
+        self.failures = failures
+
+    def enter(self, index: int) -> None:
+        self.in_backward.append(index)
+
+    def leave(self, index: int) -> None:
+        if index in self.in_backward:  # Its other inputs left it already.
+            self.in_backward.remove(index)
+
+
+def _on_backward(tensor: tf.Tensor, note: Callable[[], None]) -> tf.Tensor:
+    """`tensor`, whose gradient calls `note` when the backward pass reaches it."""
+
+    @tf.custom_gradient
+    def identity(x):
+        def grad(dy):
+            note()
+            return dy
+
+        return tf.identity(x), grad
+
+    return identity(tensor)
 
 
 @contextlib.contextmanager
-def _recording_calls(layers: list, watch) -> Iterator[dict[int, list[_Call]]]:
-    """Wraps each layer's `call` to record its floating inputs and outputs (and `watch` the outputs,
-    so the tape can differentiate by them); unwraps on exit."""
-    calls: dict[int, list[_Call]] = {}
+def _recording_calls(layers: list, watch, failures: list) -> Iterator[_Calls]:
+    """Wraps each layer's call to record its floating inputs and outputs (and `watch` the outputs,
+    so the tape can differentiate by them), and where the backward pass is (`_Calls`); a layer
+    that raises is added to `failures`. Unwraps on exit."""
+    calls = _Calls(failures)
 
     def recording(index, layer, call):
         def recorded_call(*args, **kwargs):
             records = calls.setdefault(index, [])  # On entry, so a block comes before its sublayers.
             if isinstance(layer, _NOISE_LAYERS):
                 kwargs["training"] = False
-            outputs = call(*args, **kwargs)
+            # The backward pass leaves the layer at its inputs and enters it at its outputs.
+            args, kwargs = tf.nest.map_structure(
+                lambda t: _on_backward(t, lambda: calls.leave(index))
+                if isinstance(t, tf.Tensor) and t.dtype.is_floating else t, (args, kwargs))
+            floating_inputs = _floating((args, kwargs))
+            try:
+                outputs = call(*args, **kwargs)
+            except Exception as error:
+                calls.failures.append((index, "forward", error))  # A sublayer's comes first.
+                raise
+            outputs = tf.nest.map_structure(
+                lambda t: _on_backward(t, lambda: calls.enter(index))
+                if isinstance(t, tf.Tensor) and t.dtype.is_floating else t, outputs)
             floating_outputs = _floating((outputs,))
             for tensor in floating_outputs:
                 watch(tensor)
-            records.append(_Call(_floating((args, kwargs)), floating_outputs))
+            records.append(_Call(floating_inputs, floating_outputs))
             return outputs
 
         return recorded_call
 
-    # An instance's own `call` (layer_precision's cast back to the compute dtype) is put back on exit.
-    own_calls = [vars(layer).get("call") for layer in layers]
+    names = [_call_name(layer) for layer in layers]
+    # An instance's own call (layer_precision's cast back to the compute dtype) is put back on exit.
+    own_calls = [vars(layer).get(name) for layer, name in zip(layers, names)]
     # object.__setattr__ bypasses Keras's attribute tracking, which would track the wrapper.
-    for index, layer in enumerate(layers):
-        object.__setattr__(layer, "call", recording(index, layer, layer.call))
+    for index, (layer, name) in enumerate(zip(layers, names)):
+        object.__setattr__(layer, name, recording(index, layer, getattr(layer, name)))
     try:
         yield calls
     finally:
-        for layer, own_call in zip(layers, own_calls):
+        for layer, name, own_call in zip(layers, names, own_calls):
             if own_call is None:
-                object.__delattr__(layer, "call")
+                object.__delattr__(layer, name)
             else:
-                object.__setattr__(layer, "call", own_call)
+                object.__setattr__(layer, name, own_call)
+
+
+def _call_name(layer: keras.layers.Layer) -> str:
+    """The method Keras's `__call__` runs: `quantized_call` for a quantized layer (a float8 Dense)."""
+    return "call" if layer.quantization_mode is None else "quantized_call"
 
 
 def _assign(variables: list, values: list[np.ndarray]) -> None:
@@ -590,11 +706,19 @@ def _fraction(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
 
 
+def _pooled(variables: list[VariableReport], name: str) -> float:
+    """The fraction `name` of every value of `variables` together."""
+    return _fraction(sum(getattr(v, name) * v.num_values for v in variables),
+                     sum(v.num_values for v in variables))
+
+
 class _LayerTally:
     """One layer's values summed over micro-batches."""
 
-    def __init__(self, path: str, compute_dtype: str):
-        self.path, self.compute_dtype = path, compute_dtype
+    def __init__(self, path: str, layer: keras.layers.Layer):
+        self.path, self.compute_dtype = path, layer.compute_dtype
+        self.float8 = (float8_report.Float8Tally(layer) if float8_report.can_train_in_float8(layer)
+                       else None)
         self.max_abs_input: Optional[float] = None  # Stays None for layers that read only ids.
         self.max_abs_output = self.max_abs_output_grad = 0.0
         self.non_finite_outputs = self.float32_non_finite_outputs = 0
@@ -614,9 +738,12 @@ class _LayerTally:
             self.max_abs_output_grad = max(self.max_abs_output_grad, _max_abs([grad]))
             self.grad_counts += _cast_counts(grad, scale, self.compute_dtype)
 
-    def add_mixed(self, mixed_calls: list[_Call]) -> None:
-        """One micro-batch's mixed pass."""
-        for call in mixed_calls:
+    def add_mixed(self, mixed_calls: list[_Call], output_grads: list, grad_factor: float) -> None:
+        """One micro-batch's mixed pass; its `output_grads` times `grad_factor` are at the loss scale."""
+        for call, grads in zip(mixed_calls, output_grads):
+            if self.float8:
+                self.float8.add([_as_float32(t) for t in call.inputs],
+                                [grad * np.float32(grad_factor) for grad in grads])
             num_bad = _num_non_finite([_as_float32(t) for t in call.outputs])
             self.non_finite_outputs += num_bad
             if num_bad and not _num_non_finite([_as_float32(t) for t in call.inputs]):
@@ -632,14 +759,15 @@ class _LayerTally:
             float32_non_finite_outputs=self.float32_non_finite_outputs,
             max_abs_output_grad=self.max_abs_output_grad,
             output_grad_zero_fraction=_fraction(self.grad_counts[1], self.grad_counts[0]),
+            float8=self.float8.report() if self.float8 else None,
         )
 
 
 class _VariableTally:
     """One variable's gradients summed over micro-batches."""
 
-    def __init__(self, path: str, dtype: str):
-        self.path, self.dtype = path, dtype
+    def __init__(self, path: str, dtype: str, overwritten: bool):
+        self.path, self.dtype, self.overwritten = path, dtype, overwritten
         self.counts = np.zeros(4, np.int64)  # As _cast_counts.
         self.num_mixed_zero = 0
         self.max_abs, self.min_abs = 0.0, math.inf
@@ -650,6 +778,8 @@ class _VariableTally:
     def add_float32(self, grad: np.ndarray, repeated_grad: Optional[np.ndarray], scale: float) -> None:
         """One micro-batch's float32 gradient, examined at `scale`, and its repeat at NOISE_SCALE
         (None when not repeated: no rel.err)."""
+        if self.overwritten:  # A new value: only its finiteness means anything (`add_mixed`).
+            return
         nonzero = grad != 0
         self.counts += _cast_counts(grad, scale, self.dtype)
         self.histogram += _log2_histogram(grad)
@@ -665,6 +795,10 @@ class _VariableTally:
 
     def add_mixed(self, float32_grad: np.ndarray, mixed_grad: np.ndarray) -> None:
         """One micro-batch's mixed gradient, against its float32 gradient."""
+        if self.overwritten:
+            bad = ~np.isfinite(float32_grad) | ~np.isfinite(mixed_grad)
+            self.counts += [bad.size, 0, 0, np.sum(bad)]
+            return
         self.num_mixed_zero += int(np.sum((float32_grad != 0) & (mixed_grad == 0)))
         self.error_squared += _squared_norm(mixed_grad.astype(np.float64) - float32_grad)
 
@@ -679,13 +813,14 @@ class _VariableTally:
         relative_error = absolute_error / reference_norm if resolved else None
         return VariableReport(
             path=self.path, dtype=self.dtype, num_values=num_values, max_abs=self.max_abs,
-            min_abs=self.min_abs if num_values else 0.0,
+            min_abs=self.min_abs if math.isfinite(self.min_abs) else 0.0,  # Inf: none seen.
             zero_fraction=_fraction(self.counts[1], num_values),
             subnormal_fraction=_fraction(self.counts[2], num_values),
             overflow_fraction=_fraction(self.counts[3], num_values),
             mixed_zero_fraction=_fraction(self.num_mixed_zero, num_values),
             absolute_error=absolute_error, relative_error=relative_error,
             histogram={k + _MIN_EXPONENT: int(c) for k, c in enumerate(self.histogram) if c},
+            overwritten=self.overwritten,
         )
 
 
@@ -693,9 +828,11 @@ class _VariableTally:
 
 
 def _advise(layers: list[LayerReport], variables: list[VariableReport], fractions: list[float],
-            scale: float, policy: Policy, precision: ml_collections.ConfigDict, whose: str) -> Advice:
+            scale: float, policy: Policy, precision: ml_collections.ConfigDict, whose: str,
+            in_float8: list[str]) -> Advice:
     """The advice of the module docstring, with the problems that motivate it; `whose` begins each
-    problem of the objective's gradients ("" with a single objective)."""
+    problem of the objective's gradients ("" with a single objective); `in_float8`: the paths of
+    the layers the run trains in FP8."""
     low_layers = [layer for layer in layers if layer.compute_dtype != "float32"]
     low_variables = [variable for variable in variables if variable.dtype != "float32"]
     hot = finest(layer for layer in low_layers if not layer.float32_non_finite_outputs
@@ -727,6 +864,8 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
         bfloat16_safe=(bfloat16_headroom >= MARGIN_BITS and bfloat16_zero_fraction <= UNDERFLOW_TOLERANCE
                        and not bfloat16_breaks),
         overrides=_overrides(regex if hot_paths else None, initial_scale, precision),
+        float8=float8_report.advise([(layer.path, layer.float8) for layer in layers if layer.float8],
+                                    in_float8),
     )
 
 

@@ -28,8 +28,10 @@ from tensorboard.plugins.histogram import metadata as histogram_metadata
 from mixloop import cli
 from mixloop.config import DEFAULT_INITIAL_SCALE
 from mixloop.runner import auto_precision
+from mixloop.runner.float8_report import FLUSH_TOLERANCE, Float8Advice, Float8Report
 from mixloop.runner.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, NOISE_SCALE,
-                                             DtypeRange, PrecisionReport, diagnose_objectives,
+                                             DtypeRange, PrecisionReport, VariableReport,
+                                             diagnose_objectives,
                                              write_json)
 
 _STEPS = flags.DEFINE_integer("steps", 4, "Train batches to diagnose.", lower_bound=1)
@@ -81,26 +83,26 @@ def format_report(report: PrecisionReport) -> str:
         "headroom: doublings left below the compute dtype's largest value. inf: outputs that were inf",
         "or NaN in the mixed pass. max|dy|: largest output gradient (unscaled). dy zero: output",
         f"gradients times {scale} that flush to zero in the compute dtype.",
+        *_float8_legend(report),
     ]
     lines += _table(
-        ("layer", "dtype", "max|x|", "max|y|", "headroom", "inf", "max|dy|", "dy zero"),
+        ("layer", "dtype", "max|x|", "max|y|", "headroom", "inf", "max|dy|", "dy zero", "FP8"),
         [(l.path, l.compute_dtype, "-" if l.max_abs_input is None else _number(l.max_abs_input),
           _number(l.max_abs_output), _bits(l.headroom_bits), str(l.non_finite_outputs),
-          _number(l.max_abs_output_grad), _percent(l.output_grad_zero_fraction)) for l in report.layers],
+          _number(l.max_abs_output_grad), _percent(l.output_grad_zero_fraction), _float8_cell(l.float8))
+         for l in report.layers],
     )
     lines += [
         "",
         "Gradients, as fractions of each variable's nonzero float32 values. zero, subnormal, inf: the",
         f"float32 gradient times {scale}, cast to the dtype it is computed in.",
         *_comparison_legend(report),
+        *_overwritten_legend(report),
     ]
     lines += _table(
         ("variable", "dtype", "max|g|", "min|g|", "zero", "subnormal", "inf", "mixed zero", "abs.err",
          "rel.err"),
-        [(v.path, v.dtype, _number(v.max_abs), _number(v.min_abs), _percent(v.zero_fraction),
-          _percent(v.subnormal_fraction), _percent(v.overflow_fraction), _percent(v.mixed_zero_fraction),
-          _number(v.absolute_error), "-" if v.relative_error is None else _number(v.relative_error))
-         for v in report.variables],
+        [_variable_row(v) for v in report.variables],
     )
     lines += [
         "",
@@ -112,6 +114,41 @@ def format_report(report: PrecisionReport) -> str:
     ]
     lines += [f"  - {problem}" for problem in report.advice.problems] or ["  none: every value fits."]
     return "\n".join(lines + ["", "Advice:"] + _advice_lines(report))
+
+
+def _float8_legend(report: PrecisionReport) -> list[str]:
+    if not any(layer.float8 for layer in report.layers):
+        return []
+    return textwrap.wrap(
+        "FP8 (Dense and EinsumDense): of the mixed pass's nonzero values, the share float8 flushes "
+        "to zero / saturates, forward (inputs or kernel in E4M3, the worse) and backward (output "
+        "gradients in E5M2, at the loss scale); at a float8 layer's own scales, marked *, else at the "
+        "scales Keras's delayed scaling sets from these values.", width=100)
+
+
+def _float8_cell(float8: Optional[Float8Report]) -> str:
+    if float8 is None:
+        return "-"
+    own = "*" if float8.own_scales else ""
+    return (f"{own}fwd {_percent(float8.forward_flushed)}/{_percent(float8.forward_saturated)} "
+            f"bwd {_percent(float8.backward_flushed)}/{_percent(float8.backward_saturated)}")
+
+
+def _variable_row(v: VariableReport) -> tuple[str, ...]:
+    if v.overwritten:
+        return (v.path, v.dtype, "overwritten", "-", "-", "-", _percent(v.overflow_fraction), "-", "-",
+                "-")
+    return (v.path, v.dtype, _number(v.max_abs), _number(v.min_abs), _percent(v.zero_fraction),
+            _percent(v.subnormal_fraction), _percent(v.overflow_fraction),
+            _percent(v.mixed_zero_fraction), _number(v.absolute_error),
+            "-" if v.relative_error is None else _number(v.relative_error))
+
+
+def _overwritten_legend(report: PrecisionReport) -> list[str]:
+    if not any(v.overwritten for v in report.variables):
+        return []
+    return ["overwritten: its \"gradient\" is its new value (Keras's overwrite_with_gradient, e.g. float8",
+            "scales and amax histories): no gradient statistics; inf: its new values inf or NaN."]
 
 
 def _objective_text(report: PrecisionReport) -> str:
@@ -158,12 +195,31 @@ def _advice_lines(report: PrecisionReport) -> list[str]:
                 "scale (but it keeps 8 significant bits to float16's 11)")
     lines = [f"  keep in float32:  {keep}", f"  initial scale:    {scale}",
              f"  mixed_bfloat16:   {bfloat16}"]
+    if advice.float8:
+        lines += _float8_advice_lines(advice.float8)
     if advice.overrides:
         lines.append("  to apply:         " + " ".join(
             shlex.quote(f"--config.{key}={value}") for key, value in advice.overrides.items()))
     if advice.initial_scale is not None and len(report.objectives) > 1:
         lines += _shared_scale_note(report)
     return lines
+
+
+def _float8_advice_lines(advice: Float8Advice) -> list[str]:
+    """Which layers stay in 16 bits and why, and the setting that trains the rest in FP8 (it takes
+    the layers to quantize, so its regex names those that fit)."""
+    if advice.unfit:
+        text = (f"{', '.join(advice.unfit)} (backward flushes more than {_percent(FLUSH_TOLERANCE)} "
+                "or forward saturates); ")
+    else:
+        text = "none; "
+    if advice.regex:
+        text += (f"to train the layers that fit in FP8: "
+                 f"--config.precision.float8_layers={shlex.quote(advice.regex)}")
+    else:
+        text += "no layer fits FP8" if advice.unfit else "every layer training in FP8 fits"
+    return textwrap.wrap(text, width=100, break_long_words=False, break_on_hyphens=False,
+                         initial_indent="  FP8, keep 16-bit: ", subsequent_indent=" " * 20)
 
 
 def _shared_scale_note(report: PrecisionReport) -> list[str]:
