@@ -215,3 +215,31 @@ def test_the_two_passes_of_a_whole_batch_loss_train_float8_layers():
     history = step.model.get_layer("hidden0").inputs_amax_history.numpy()
     np.testing.assert_array_equal(history[0], np.abs(x.astype(tf.bfloat16.as_numpy_dtype)).max())
     assert step.model.get_layer("out").outputs_grad_amax_history.numpy()[0] > 0
+
+
+@pytest.mark.slow
+def test_the_float8_mlp_trains_through_the_cli_with_float16_defaults_as_model_fit_does(tmp_path):
+    """The issue's new user: tests/float8_experiment.py in mixed_float16 with no precision flag (the
+    probe, a dynamic scale) ends within 2% of `model.fit`'s eval loss from the same weights."""
+    import cli_runs
+    import float8_experiment
+
+    from mixloop import cli
+
+    run = cli_runs.run("mixloop.train", "--config=tests/float8_experiment.py", f"--workdir={tmp_path / 'run'}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    finished = next(line for line in run.stderr.splitlines() if "Finished at step 200 of 200" in line)
+    eval_loss = float(finished.split("Eval: ")[1].split("loss ")[1].rstrip("."))
+
+    config = float8_experiment.get_config()
+    trainer = cli.build_trainer(config, str(tmp_path / "fit"))  # The run's model, policy and seed.
+    model = trainer.model
+    model.compile(optimizer=mixloop.build_optimizer(config), jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    train, evaluation = trainer.build_datasets()
+    model.fit(train.repeat().take(config.train.num_steps), epochs=1, verbose=0)
+    fit_loss = model.evaluate(evaluation, verbose=0)
+    print(f"float8 MLP, mixed_float16 defaults: mixloop eval loss {eval_loss}, model.fit {fit_loss:.4f}")
+    assert eval_loss == pytest.approx(fit_loss, rel=0.02), (eval_loss, fit_loss)
