@@ -25,7 +25,9 @@ POLICIES = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 DISTRIBUTIONS = ("auto", "one_device", "mirrored", "multi_worker", "tpu")
-AUTO = "auto"  # jit_compile, precision.float32_layers and precision.initial_scale: found by a probe.
+# jit_compile, precision.float32_layers and precision.initial_scale: found by a probe;
+# precision.float8_layers: every Dense and EinsumDense the float32 placement leaves in 16 bits.
+AUTO = "auto"
 ELEMENTWISE = "elementwise"  # jit_compile: graph kernels, with XLA fusing the elementwise ops.
 DEFAULT_INITIAL_SCALE = 2.0**15
 
@@ -68,6 +70,10 @@ def base_config() -> ml_collections.ConfigDict:
     # float16, the finest layers a probe of a few train batches finds overflowing it (and on resume,
     # the ones recorded); "" keeps only the default placement.
     config.precision.float32_layers = AUTO
+    # Regex of Dense/EinsumDense layer paths that train in FP8 (Keras's float8 quantize-dequantize
+    # layers, quantized after the float32 placement); "auto": every Dense and EinsumDense but the
+    # output layers and those kept in float32; "" (the default): none.
+    config.precision.float8_layers = ""
     config.precision.probe_batches = 2  # Train batches the automatic placement and healing probe.
     # On a divergence in 16 bits with finite inputs, probe, move the layers found to float32, restore
     # the last checkpoint and go on; each heal counts against train.max_recoveries.
@@ -203,6 +209,9 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
     _require(isinstance(p.float32_layers, str) and compiles(split_auto(p.float32_layers)[1]),
              "precision.float32_layers", p.float32_layers,
              "a Python regular expression over layer paths, 'auto', or 'auto|REGEX'")
+    _require(isinstance(p.float8_layers, str) and (p.float8_layers == AUTO or compiles(p.float8_layers)),
+             "precision.float8_layers", p.float8_layers,
+             "'' (none), 'auto', or a Python regular expression over Dense/EinsumDense layer paths")
     _require(p.initial_scale == AUTO or (_is_number(p.initial_scale) and 0 < p.initial_scale < math.inf),
              "precision.initial_scale", p.initial_scale, "a positive finite number or 'auto'")
     _require(_is_int(p.probe_batches) and p.probe_batches >= 1, "precision.probe_batches",

@@ -46,6 +46,9 @@ def test_unknown_key_is_named(section, key):
     ("eval.every_steps", -1, "a non-negative integer"),
     ("checkpoint.max_to_keep", 0, "a positive integer"),
     ("precision.float32_layers", "(norm", "a Python regular expression over layer paths"),
+    ("precision.float8_layers", "(", "'' (none), 'auto', or a Python regular expression over "
+                                     "Dense/EinsumDense layer paths"),
+    ("precision.float8_layers", None, "'' (none), 'auto', or a Python regular expression"),
     ("precision.loss_scale", "inf", "'dynamic', 'none' or a positive finite number"),
     ("precision.loss_scale", "1e400", "'dynamic', 'none' or a positive finite number"),
     ("optimizer.beta_1", 2.0, "a number in [0, 1)"),
@@ -101,3 +104,11 @@ def test_a_bad_seed_is_one_line(seed):
     config.seed = seed
     with pytest.raises(ConfigError, match=f"config.seed={seed!r} is not allowed: a non-negative integer"):
         validate(config)
+
+
+@pytest.mark.parametrize("value", ["", "auto", r"encoder/.*(query|key|value)"])
+def test_float8_layers_is_off_auto_or_a_regex(value):
+    config = valid_config()
+    config.precision.float8_layers = value
+    validate(config)
+    assert base_config().precision.float8_layers == ""  # Off unless asked for.

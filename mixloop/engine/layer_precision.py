@@ -9,7 +9,9 @@ a dtype argument through every layer.
 A layer kept in float32 computes in float32, and what follows it computes in the compute dtype again:
 inside a subclassed layer its outputs are cast back, so plain arithmetic after it (`x + residual`
 after a post-LN block's LayerNormalization) sees one dtype; in a functional model the next layer
-casts its inputs itself. The step casts the model's outputs to float32.
+casts its inputs itself. The step casts the model's outputs to float32. A quantized layer kept in
+float32 (a Dense that `quantize("float8")` made `float8_from_mixed_bfloat16`) keeps its
+quantization over float32 (`float8_from_float32`): its QDQ and scale variables stay in use.
 
 Layers are named by their *path*: the names from the model's own layers down to the layer, joined by
 `/`, e.g. `bert_backbone/transformer_layer_0/self_attention/softmax` for a backbone nested in a model.
@@ -53,6 +55,9 @@ class Float32Layer:
     # "Softmax (default type)", "named logits", "precision.float32_layers", from the automatic
     # placement "the probe", or `OWN_POLICY` for a layer the placement found in float32.
     reason: str
+    # Its dtype policy's name: "float32", or a quantized layer's quantization over float32
+    # (`float8_from_float32`: a float8 Dense keeps its QDQ and scales, computing in float32).
+    policy: str = "float32"
 
 
 @contextlib.contextmanager
@@ -146,13 +151,13 @@ def _switch_to_float32(model: keras.Model, policy: Policy, layers: dict[str, ker
         parent_kept = any(path.startswith(prefix + "/") for prefix in inside_kept)
         if reason is None and not parent_kept:
             continue
-        layer.dtype_policy = "float32"
+        layer.dtype_policy = _float32_policy(layer)
         if parent_kept:
             # Its float32 parent hands back the compute dtype; a sublayer kept before the parent
             # moved (a default softmax) must stop handing it back inside the parent.
             _stop_handing_back(layer)
             continue
-        kept.append(Float32Layer(path, reason))
+        kept.append(Float32Layer(path, reason, layer.dtype_policy.name))
         inside_kept.add(path)
         parent = layers.get(path.rpartition("/")[0], model)
         if not keras_adapter.output_layers(parent):
@@ -187,14 +192,19 @@ def describe_placement(kept: list[Float32Layer], policy: Policy, max_paths: int 
         return f"Every layer computes in {policy.compute_dtype.name}; none is kept in float32"
     groups: dict[str, list[str]] = {}
     for layer in kept:
-        groups.setdefault(layer.reason, []).append(layer.path)
-    parts = []
-    for reason, paths in groups.items():
-        shown = ", ".join(paths[:max_paths]) + (f", +{len(paths) - max_paths} more"
-                                                if len(paths) > max_paths else "")
-        parts.append(f"{len(paths)} by {reason} ({shown})")
+        groups.setdefault(layer.reason, []).append(
+            layer.path if layer.policy == "float32"
+            else f"{layer.path} as {layer.policy}, its quantization kept")
+    parts = [f"{len(paths)} by {reason} ({shown_paths(paths, max_paths)})"
+             for reason, paths in groups.items()]
     return (f"Layers computing in float32, the rest in {policy.compute_dtype.name}: "
             + "; ".join(parts))
+
+
+def shown_paths(paths: Sequence[str], max_paths: int) -> str:
+    """The first `max_paths` of `paths` for a log line, and how many more there are."""
+    more = f", +{len(paths) - max_paths} more" if len(paths) > max_paths else ""
+    return ", ".join(paths[:max_paths]) + more
 
 
 def named_layers(model: keras.Model) -> dict[str, keras.layers.Layer]:
@@ -226,26 +236,47 @@ def _float32_reason(layer: keras.layers.Layer, path: str, matcher) -> str | None
     return None
 
 
+def _float32_policy(layer: keras.layers.Layer) -> keras.DTypePolicy:
+    """The dtype policy that makes `layer` compute in float32: "float32", or for a quantized layer
+    (a float8 Dense) its own quantization over float32. Plain "float32" would drop the quantization:
+    the layer would run its plain `call`, leaving its QDQ and its scale variables unused."""
+    policy = layer.dtype_policy
+    if policy.quantization_mode is None:
+        return keras.DTypePolicy("float32")
+    return type(policy)(**{**policy.get_config(), "source_name": "float32"})
+
+
+# The methods Keras's `__call__` runs: `quantized_call` for a quantized layer, `call` otherwise.
+# Both are wrapped, so the hand-back holds however the layer is quantized, before or after.
+_CALLS = ("call", "quantized_call")
+
+
 def _hand_back(layer: keras.layers.Layer, policy: Policy) -> None:
     """Makes `layer` cast its floating outputs to the policy's compute dtype.
 
-    The instance's `call` is replaced (Keras's `__call__` looks it up on the instance), bypassing
-    Keras's attribute tracking, which has nothing to track in a function.
+    The instance's `call` and `quantized_call` are replaced (Keras's `__call__` looks them up on
+    the instance), bypassing Keras's attribute tracking, which has nothing to track in a function.
     """
-    call = layer.call
+    for name in _CALLS:
+        object.__setattr__(layer, name, _cast_back(getattr(layer, name), policy))
+
+
+def _cast_back(call: Callable, policy: Policy) -> Callable:
+    """`call`, with its floating outputs cast to the policy's compute dtype."""
 
     @functools.wraps(call)
     def call_and_cast_back(*args, **kwargs):
         return policy.cast_to_compute(call(*args, **kwargs))
 
     call_and_cast_back.hands_back = True
-    object.__setattr__(layer, "call", call_and_cast_back)
+    return call_and_cast_back
 
 
 def _stop_handing_back(layer: keras.layers.Layer) -> None:
     """Undoes `_hand_back` on `layer`, if it was applied."""
-    if getattr(vars(layer).get("call"), "hands_back", False):
-        object.__delattr__(layer, "call")
+    for name in _CALLS:
+        if getattr(vars(layer).get(name), "hands_back", False):
+            object.__delattr__(layer, name)
 
 
 def matching_paths(pattern: str, paths: Sequence[str],

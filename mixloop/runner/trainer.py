@@ -20,7 +20,7 @@ import tensorflow as tf
 from absl import logging
 
 from mixloop.config import ConfigError, split_auto
-from mixloop.engine import layer_precision
+from mixloop.engine import float8_layers, layer_precision
 from mixloop.engine.loss import as_losses
 from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
 from mixloop.engine.step import Batch, TrainStep, default_input_fn, forward, masked_paths
@@ -61,6 +61,12 @@ class Trainer:
                 self.model, self.policy, split_auto(config.precision.float32_layers)[1])
             placement += layer_precision.own_float32_layers(self.model, self.policy, placement)
             logging.info("%s", layer_precision.describe_placement(placement, self.policy))
+            # After the placement, which `auto` reads: a layer kept in float32 stays out of FP8.
+            self.float8_paths = float8_layers.quantize_selected(
+                self.model, self.policy, config.precision.float8_layers)
+            float8_line = float8_layers.describe(self.model, config.precision.float8_layers)
+            if float8_line:
+                logging.info("%s", float8_line)
             self.objectives = with_loss_scales(
                 self.build_objectives(),
                 lambda: precision_setup.make_loss_scale(config.precision, self.policy))
@@ -382,6 +388,7 @@ class Trainer:
         """
         with layer_precision.building_under(precision_setup.Policy.from_string("float32")):
             export_model = self.build_model()
+        float8_layers.quantize(export_model, self.float8_paths)  # The run's variables, to copy.
         with self.ema_weights():
             export_model.set_weights(self.model.get_weights())
         path = os.path.join(self.workdir, "model.keras")
