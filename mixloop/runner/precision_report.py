@@ -58,7 +58,9 @@ over a micro-batch starts from the same non-trainable state, so other draws from
 differ in each pass, so the float32 gradients they reach disagree with their repeat and get no
 rel.err; a variable read by several layers (tied embeddings) is counted in the
 compute dtype of the layer that owns it. Every micro-batch's float32 gradients are held until the
-mixed pass, so memory grows with num_batches.
+mixed pass, so memory grows with num_batches; so do the mixed pass's inputs and output gradients of
+each Dense and EinsumDense layer, from which `float8_report` tells what float8 would flush or
+saturate at the scale they set (the FP8 column, and `Advice.float8`).
 """
 
 from __future__ import annotations
@@ -368,7 +370,8 @@ def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batche
 
 
 def _float8_paths(model: keras.Model) -> list[str]:
-    """The paths of the model's layers that train in FP8, quantized by the config or the research code."""
+    """The paths of the model's layers that train in FP8 (quantized by the config or by the
+    research code)."""
     return [path for path, layer in named_layers(model).items()
             if layer.quantization_mode == float8_layers.FLOAT8]
 
