@@ -108,7 +108,9 @@ def test_variations_change_settings_and_skip_what_the_configured_run_measures(
                     "mixloop accumulation_steps=1 jit_compile=False", "mixloop jit_compile=False",
                     "mixloop accumulation_steps=1 jit_compile=elementwise",
                     "mixloop jit_compile=elementwise"]
-    assert names == ["mixloop", *accumulation, *expected]
+    float8 = [f"mixloop {'' if other == policy else f'policy={other} '}float8_layers=auto"
+              for other in ("mixed_float16", "mixed_bfloat16")]
+    assert names == ["mixloop", *accumulation, *expected, *float8]
 
 
 def test_with_xla_off_the_variations_turn_it_on():
@@ -123,7 +125,7 @@ def test_a_loss_over_the_whole_batch_is_timed_beside_plain_accumulation():
     assert not any("batch_loss" in name for name in benchmark.mixloop_configs(config))
     config.train.batch_loss = True
     configs = benchmark.mixloop_configs(config)
-    assert list(configs)[-1] == "mixloop batch_loss=False"
+    assert "mixloop batch_loss=False" in configs
     plain = configs["mixloop batch_loss=False"]
     assert not plain.train.batch_loss
     assert plain.train.accumulation_steps == config.train.accumulation_steps == 2
@@ -132,7 +134,7 @@ def test_a_loss_over_the_whole_batch_is_timed_beside_plain_accumulation():
 
 def test_ratios_pair_repeats_before_taking_the_median():
     def variant(seconds):
-        return benchmark.Variant("v", "float32", 1, "none", False, False, run_fn=lambda: None, seconds=seconds)
+        return benchmark.Variant("v", "float32", 1, "none", False, False, False, run_fn=lambda: None, seconds=seconds)
 
     # A noisy second repeat slows both: per-repeat ratios 2, 2, 0.5 have median 2; the ratio of
     # the median speeds would say 1.
@@ -142,7 +144,7 @@ def test_ratios_pair_repeats_before_taking_the_median():
 
 def test_a_policy_is_compared_with_float32_each_in_its_faster_compile_mode():
     def variant(name, policy, xla, seconds, scale="none"):
-        return benchmark.Variant(name, policy, 2, scale, xla, False, run_fn=lambda: None, seconds=seconds)
+        return benchmark.Variant(name, policy, 2, scale, xla, False, False, run_fn=lambda: None, seconds=seconds)
 
     variants = [
         variant("mixloop", "float32", True, [2.0, 2.0, 2.0]),
@@ -174,7 +176,7 @@ def test_what_model_fit_cannot_train_is_timed_without_the_keras_and_bare_rows():
     assert benchmark.without_keras(two, pairs) == "2 objectives (one loss each)"
     config.train.batch_loss = True
     assert benchmark.without_keras(one, pairs).startswith("a loss over the whole batch")
-    assert benchmark.pairwise_ratio(benchmark.Variant("v", "float32", 1, "none", False, False,
+    assert benchmark.pairwise_ratio(benchmark.Variant("v", "float32", 1, "none", False, False, False,
                                                       lambda: None, [1.0]), None) is None
     assert benchmark._shown(None) == "n/a" and benchmark._shown(1.234) == "1.23"
 
@@ -253,7 +255,7 @@ def test_the_keras_fit_loss_gives_compute_loss_its_integer_labels_back(tmp_path)
 
 def test_timing_logs_each_warm_up_and_each_repeat_as_it_goes(caplog):
     caplog.set_level(logging.INFO)
-    variants = [benchmark.Variant(name, "float32", 1, "none", False, False, lambda: time.sleep(0.01))
+    variants = [benchmark.Variant(name, "float32", 1, "none", False, False, False, lambda: time.sleep(0.01))
                 for name in ("bare", "mixloop")]
     benchmark.time_interleaved(variants, repeats=2, examples_per_repeat=100)
 

@@ -24,7 +24,9 @@ times, in one process, the same optimizer updates on the same batches done sever
                      other way; ema_decay on (0.999) or off,
                      whichever it is not; with train.batch_loss, batch_loss=False (plain
                      accumulation, the loss per micro-batch) beside the two passes; float16 under
-                     a dynamic scale with overflow_retries=0 (no retry loop around the step)
+                     a dynamic scale with overflow_retries=0 (no retry loop around the step);
+                     mixed_bfloat16 and mixed_float16 with precision.float8_layers=auto (Keras's
+                     FP8 quantize-dequantize layers: emulated on a CPU, so slower)
     mixloop +metric  the configured run with one more train metric (the mean of the model's first
                      output: a reduction over the logits, weighted and summed like any metric)
 
@@ -78,7 +80,7 @@ POLICY_RATIOS = ("mixed_bfloat16/float32", "mixed_float16/float32")
 RATIOS = (*POLICY_RATIOS, "mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixloop/bare",
           "dynamic/none", "k8/k1",
           *(f"k2/k1 {compile_mode.describe(mode)}" for mode in compile_mode.MODES),
-          "ema/no-ema", "metric/no-metric", "retries/no-retries")
+          "ema/no-ema", "metric/no-metric", "retries/no-retries", "float8/bfloat16")
 # With train.batch_loss, also: the two passes' examples/s over plain accumulation's (their cost's inverse).
 BATCH_LOSS_RATIO = "two-passes/plain"
 EMA_DECAY = 0.999  # The ema_decay of the EMA variant.
@@ -97,6 +99,7 @@ class Variant:
     loss_scale: str  # The scale in effect: "dynamic", "none" or the static value.
     xla: compile_mode.Mode  # How the update is compiled: XLA (True), graph (False), "elementwise".
     batch_loss: bool  # Whether the loss is on the whole batch (train.batch_loss: two passes).
+    float8: bool  # Whether some layers train in FP8 (precision.float8_layers).
     run_fn: Callable[[], None] = dataclasses.field(repr=False)  # One repeat, finished on the device.
     seconds: list[float] = dataclasses.field(default_factory=list)
 
@@ -202,7 +205,7 @@ def bare_variant(trainer, data: tf.data.Dataset, jit_compile: compile_mode.Mode,
         with compile_mode.calls_in(jit_compile):
             loop(iterator, num_steps).numpy()
 
-    return Variant(name, policy.keras_name, 1, "none", jit_compile, False, run)
+    return Variant(name, policy.keras_name, 1, "none", jit_compile, False, False, run)
 
 
 def _with_data(trainer_class: type, data: tf.data.Dataset) -> type:
@@ -226,9 +229,9 @@ def mixloop_variant(name: str, config: ml_collections.ConfigDict, trainer_class:
     return Variant(name, *_settings(config), run)
 
 
-def _settings(config: ml_collections.ConfigDict) -> tuple[str, int, str, Any, bool]:
-    """(policy, accumulation_steps, loss scale in effect, XLA: True, False or "auto", batch_loss)
-    of a one-replica config: what tells two runs apart."""
+def _settings(config: ml_collections.ConfigDict) -> tuple[str, int, str, Any, bool, bool]:
+    """(policy, accumulation_steps, loss scale in effect, XLA: True, False or "auto", batch_loss,
+    float8) of a one-replica config: what tells two runs apart."""
     policy, _ = precision_setup.make_policy(config.precision.policy)
     scale = precision_setup.make_loss_scale(config.precision, policy)
     if isinstance(scale, (DynamicLossScale, NoLossScale)):
@@ -236,7 +239,7 @@ def _settings(config: ml_collections.ConfigDict) -> tuple[str, int, str, Any, bo
     else:
         scale_name = f"{float(scale.scale):g}"
     return (policy.keras_name, config.train.accumulation_steps, scale_name, config.jit_compile,
-            config.train.batch_loss)
+            config.train.batch_loss, bool(config.precision.float8_layers))
 
 
 def _float16_policy(config: ml_collections.ConfigDict) -> str:
@@ -263,6 +266,7 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
     changes += [{"precision.policy": float16, "precision.loss_scale": s} for s in ("dynamic", "none")]
     changes += [{"jit_compile": m} for m in other_modes]
     changes += [{"train.batch_loss": False}]  # Plain accumulation beside the two passes.
+    changes += [{"precision.policy": p, "precision.float8_layers": AUTO} for p in POLICIES[1:]]
     configs, seen = {"mixloop": config}, [_settings(config)]
     for change in changes:
         changed = _changed(config, change)
@@ -390,7 +394,7 @@ def fastest_mode(variants: list[Variant], **wanted: Any) -> Variant:
     seconds)."""
     matching = [v for v in variants if v.name.startswith("mixloop") and not v.name.startswith(
                     ("mixloop ema_decay", "mixloop +metric", "mixloop batch_loss", NO_RETRIES))
-                and all(getattr(v, key) == value for key, value in wanted.items())]
+                and not v.float8 and all(getattr(v, key) == value for key, value in wanted.items())]
     return min(matching, key=lambda v: statistics.median(v.seconds))
 
 
@@ -420,7 +424,7 @@ def _ordered(a: Variant, b: Variant, *, first_is_on: bool) -> tuple[Variant, Var
 def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) -> dict[str, float]:
     """The ratios of RATIOS (and BATCH_LOSS_RATIO with train.batch_loss), keyed by name."""
     by_name = {v.name: v for v in variants}
-    policy, k, scale, xla, _ = _settings(config)
+    policy, k, scale, xla, _, _ = _settings(config)
     float16 = _float16_policy(config)
     best = {name: fastest_mode(variants, policy=name, accumulation_steps=k,
                                **({"loss_scale": "dynamic"} if name == "mixed_float16" else {}))
@@ -443,6 +447,8 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
         "metric/no-metric": (by_name["mixloop +metric"], by_name["mixloop"]),
         "retries/no-retries": (_find(variants, policy=float16, accumulation_steps=k,
                                      loss_scale="dynamic", xla=xla), by_name[NO_RETRIES]),
+        "float8/bfloat16": tuple(_find(variants, policy="mixed_bfloat16", accumulation_steps=k,
+                                       xla=xla, float8=float8) for float8 in (True, False)),
         BATCH_LOSS_RATIO: (by_name["mixloop"], by_name.get("mixloop batch_loss=False")),
     }
     names = RATIOS + ((BATCH_LOSS_RATIO,) if config.train.batch_loss else ())
