@@ -61,6 +61,15 @@ def quantize(model: keras.Model, paths: Sequence[str]) -> None:
         layers[path].quantize(FLOAT8)
 
 
+def without_float8_state(model: keras.Model, paths: Sequence[str]) -> list:
+    """`model.get_weights()` less the scales and amax histories of the layers at `paths`: the
+    weights of the same model built without quantizing them, in its order (Keras adds a layer's
+    float8 variables after its own)."""
+    layers = named_layers(model)
+    float8_state = {id(v) for path in paths for v in layers[path].weights if v.overwrite_with_gradient}
+    return [v.numpy() for v in model.weights if id(v) not in float8_state]
+
+
 def describe(model: keras.Model, setting: str, max_paths: int = 6) -> Optional[str]:
     """One log line: which layers train in FP8, grouped by dtype policy; None when `setting` is
     off and no layer is float8 (a run without FP8 says nothing about it)."""

@@ -378,6 +378,8 @@ class Trainer:
         """Saves the model in float32 (with the EMA weights when `config.train.ema_decay` is set)
         as `workdir/model.keras` for inference; returns the path, or None (with a warning naming
         the reason) when Keras cannot save one of its layers, e.g. one without a `get_config`.
+        The layers `precision.float8_layers` made FP8 are saved as the plain layers `build_model`
+        makes, with their trained weights.
 
         Logs the code that loads it (`exporting.loading_code`: plain `keras.models.load_model` for a
         model of Keras and keras-hub classes, after importing the modules of any others), and warns
@@ -388,9 +390,10 @@ class Trainer:
         """
         with layer_precision.building_under(precision_setup.Policy.from_string("float32")):
             export_model = self.build_model()
-        float8_layers.quantize(export_model, self.float8_paths)  # The run's variables, to copy.
         with self.ema_weights():
-            export_model.set_weights(self.model.get_weights())
+            # The layers precision.float8_layers quantized export plain: FP8 is how the run trains,
+            # and Keras cannot reload a float8 MultiHeadAttention.
+            export_model.set_weights(float8_layers.without_float8_state(self.model, self.float8_paths))
         path = os.path.join(self.workdir, "model.keras")
         partial = os.path.join(self.workdir, "model-partial.keras")  # Keras needs the suffix.
         try:
