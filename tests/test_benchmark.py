@@ -48,7 +48,9 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
                        for name in (f"mixloop accumulation_steps=1 {o}", f"mixloop {o}")],
                      *in_every_mode("mixloop policy=float32"),
                      *in_every_mode("mixloop policy=mixed_bfloat16"),
-                     "mixloop loss_scale=none", "mixloop ema_decay=0.999", "mixloop +metric",
+                     "mixloop loss_scale=none", "mixloop float8_layers=auto",
+                     "mixloop policy=mixed_bfloat16 float8_layers=auto",
+                     "mixloop ema_decay=0.999", "mixloop +metric",
                      "mixloop overflow_retries=0"]
     # XLA: fit leaves it off on a CPU, the tuned fit turns it on, the rest as the probe picked
     # unless named for another mode.

@@ -169,7 +169,7 @@ def keras_fit_variant(trainer, data: tf.data.Dataset, *, tuned: bool) -> Variant
                   **tuning)
     epoch = data.prefetch(tf.data.AUTOTUNE)
     return Variant("keras-fit-tuned" if tuned else "keras-fit", policy.keras_name, 1,
-                   "dynamic" if float16 else "none", model.jit_compile, False,
+                   "dynamic" if float16 else "none", model.jit_compile, False, False,
                    lambda: model.fit(epoch, verbose=0))
 
 
