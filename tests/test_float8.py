@@ -243,3 +243,89 @@ def test_the_float8_mlp_trains_through_the_cli_with_float16_defaults_as_model_fi
     fit_loss = model.evaluate(evaluation, verbose=0)
     print(f"float8 MLP, mixed_float16 defaults: mixloop eval loss {eval_loss}, model.fit {fit_loss:.4f}")
     assert eval_loss == pytest.approx(fit_loss, rel=0.02), (eval_loss, fit_loss)
+
+
+class NewValueOfTheSmallestInput(keras.layers.Layer):
+    """A layer with a variable of its own that Keras overwrites with its "gradient": the square root
+    of the smallest input it saw (NaN for a negative one), as float8's amax is a new value."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 1), initializer="ones", name="kernel")
+        self.stat = self.add_weight(shape=(), initializer="zeros", name="stat", overwrite_with_gradient=True)
+
+    def call(self, x):
+        @tf.custom_gradient
+        def measured(x, stat):
+            def grad(dy):
+                return dy, tf.sqrt(tf.reduce_min(x))
+            return tf.identity(x), grad
+
+        return tf.matmul(measured(x, self.stat), self.kernel)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("micro_batches", ["nan_then_finite", "both_nan"])
+def test_a_nan_new_value_in_any_micro_batch_skips_the_update(jit_compile, micro_batches):
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, NewValueOfTheSmallestInput(name="stat_layer")(inputs))
+    step = mixloop.TrainStep(model=model, optimizer=keras.optimizers.SGD(0.1),
+                             loss_fn=lambda outputs, batch: tf.reduce_mean(outputs),
+                             policy=mixloop.Policy.from_string("float32"), accumulation_steps=2,
+                             jit_compile=jit_compile)
+    positive = np.full((2, 4), 4.0, np.float32)
+    x = np.r_[-positive, positive if micro_batches == "nan_then_finite" else -positive]
+    report = step((tf.constant(x),))["objectives"]["model"]
+    assert not bool(report["applied"]) and not bool(report["grads_finite"])
+    layer = model.get_layer("stat_layer")
+    assert float(layer.stat.numpy()) == 0.0 and layer.kernel.numpy().tolist() == [[1.0]] * 4
+    # Finite in both: the maximum of the two micro-batches' new values, sqrt(4) and sqrt(9).
+    step((tf.constant(np.r_[positive, positive + 5.0]),))
+    assert float(layer.stat.numpy()) == 3.0
+
+
+def test_weight_decay_leaves_the_float8_variables_alone():
+    x, y = data(BATCH_SIZE)
+    batch = (tf.constant(x), tf.constant(y))
+    model = float8_mlp("float32")
+    step = mixloop.TrainStep(model=model, optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.5),
+                             loss_fn=cross_entropy, policy=mixloop.Policy.from_string("float32"))
+    step(batch)
+    plain, _ = mixloop_run("float32", x, y)  # Adam without decay, one update from the same weights.
+    assert not np.array_equal(model.get_layer("hidden0").kernel.numpy(),
+                              plain.model.get_layer("hidden0").kernel.numpy())  # The decay acted.
+    for path, value in float8_variables(plain.model).items():
+        np.testing.assert_array_equal(float8_variables(model)[path], value, err_msg=path)
+
+
+def test_an_overflow_retried_in_float16_leaves_the_float8_variables_as_a_run_started_lower():
+    x, y = data(BATCH_SIZE)
+
+    def run(initial_scale, retries):
+        model = float8_mlp("mixed_float16")
+        step = mixloop.TrainStep(model=model, optimizer=keras.optimizers.Adam(1e-2), loss_fn=cross_entropy,
+                                 policy=mixloop.Policy.from_string("mixed_float16"),
+                                 loss_scale=mixloop.DynamicLossScale(initial_scale=initial_scale),
+                                 overflow_retries=retries)
+        report = step((tf.constant(x), tf.constant(y)))["objectives"]["model"]
+        return step, report
+
+    retried, report = run(2.0**24, 12)  # Retried down from an overflowing scale until it fits.
+    assert bool(report["applied"]) and int(report["retries"]) > 0
+    started_there, _ = run(float(report["loss_scale"]), 0)
+    for actual, expected in zip(retried.model.variables, started_there.model.variables):
+        np.testing.assert_array_equal(actual.numpy(), expected.numpy(), err_msg=actual.path)
+
+
+def test_an_objective_not_due_keeps_its_float8_variables():
+    x, y = data(BATCH_SIZE)
+    model = float8_mlp("float32")
+    objectives = {"model": mixloop.Objective(model, keras.optimizers.Adam(1e-2), every_steps=2)}
+    step = mixloop.TrainStep(model=model, loss_fn=cross_entropy, objectives=objectives,
+                             policy=mixloop.Policy.from_string("float32"))
+    before = float8_variables(model)
+    report = step((tf.constant(x), tf.constant(y)))["objectives"]["model"]  # Step 1: not due.
+    assert not bool(report["ran"]) and bool(report["grads_finite"])
+    for path, value in float8_variables(model).items():
+        np.testing.assert_array_equal(value, before[path], err_msg=path)
+    assert bool(step((tf.constant(x), tf.constant(y)))["objectives"]["model"]["applied"])  # Step 2.
+    assert float8_variables(model)["hidden0/inputs_amax_history"][0] == np.abs(x).max()

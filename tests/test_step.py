@@ -679,3 +679,16 @@ def test_with_xla_no_while_loop_is_inside_a_compiled_function(num_micro_batches,
         op_types = {op.type for op in graph.get_operations()}
         op_types |= {node.op for f in graph.as_graph_def().library.function for node in f.node_def}
         assert not op_types & {"While", "StatelessWhile"}, op_types & {"While", "StatelessWhile"}
+
+
+def test_a_batch_of_total_weight_zero_is_skipped_not_applied_as_nan():
+    """A masked loss whose mask is all zero: (0, 0) averages to 0/0, which must count as non-finite."""
+    def masked_sum(outputs, batch):
+        mask = batch[1][:, 0] * 0.0
+        return mixloop.Loss(tf.reduce_sum(outputs[:, 0] * mask), tf.reduce_sum(mask))
+
+    step = make_step(loss_fn=masked_sum)
+    before = state_of(step)
+    report = step(regression_batch())["objectives"]["model"]
+    assert not bool(report["applied"]) and not bool(report["grads_finite"])
+    assert_bit_identical(before, state_of(step))

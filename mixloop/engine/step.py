@@ -407,13 +407,14 @@ class TrainStep:
         clipped; the new values of its overwritten variables only checked."""
         weight = sums["weight"]
         overwritten = self._overwritten[name]
+        new_values = _select(grads, overwritten)
         derivatives = [g / weight for g in _select(grads, _negated(overwritten))]
-        finite_per_variable = leaves_finite(grads)  # A non-finite new value is an overflow too.
+        # After the division (a total weight of 0 makes NaN); a non-finite new value overflows too.
+        finite_per_variable = leaves_finite(_merged(overwritten, new_values, derivatives))
         grad_norm = tf.linalg.global_norm(derivatives)
         if self.clip_global_norm is not None:
             derivatives, _ = tf.clip_by_global_norm(derivatives, self.clip_global_norm, use_norm=grad_norm)
-        grads = _merged(overwritten, _select(grads, overwritten), derivatives)
-        return grads, {"loss": sums["loss"] / weight, "grads_finite": tf.reduce_all(finite_per_variable),
+        return _merged(overwritten, new_values, derivatives), {"loss": sums["loss"] / weight, "grads_finite": tf.reduce_all(finite_per_variable),
                        "grad_norm": grad_norm, "weight": weight,
                        "metrics": {name: value / weight for name, value in sums["metrics"].items()},
                        "finite_per_variable": finite_per_variable}
@@ -518,7 +519,7 @@ class TrainStep:
     def _added(self, accumulated: dict[str, list], grads: dict[str, list]) -> dict[str, list]:
         """Per objective, `grads` added to `accumulated`; for an overwritten variable, their maximum
         (Keras's gradient accumulation keeps the largest amax a micro-batch saw, not the last)."""
-        return {name: [tf.maximum(a, g) if overwritten else a + g for a, g, overwritten in
+        return {name: [_maximum(a, g) if overwritten else a + g for a, g, overwritten in
                        zip(accumulated[name], grads[name], self._overwritten[name])]
                 for name in accumulated}
 
@@ -528,7 +529,8 @@ class TrainStep:
                 for g, overwritten in zip(grads, self._overwritten[name])]
 
     def _unscaled(self, name: str, scaled_grads: list) -> list:
-        """Objective `name`'s gradients from its scaled backward, unscaled into float32.
+        """Objective `name`'s gradients from its scaled backward, unscaled into float32; the new
+        values of its overwritten variables as they came.
 
         Which variables the loss does not reach is known while tracing (`unused_variables`). They
         get zero gradients here, which change neither the norm nor the finiteness check, and no
@@ -539,8 +541,9 @@ class TrainStep:
         grads = [_zeros_if_none(g, v) for g, v in zip(scaled_grads, objective.variables)]
         # A new value is not scaled by the loss scale (an output-gradient amax is measured on the
         # scaled backward it will quantize, as under Keras's LossScaleOptimizer).
-        return [g if overwritten else unscaled for g, unscaled, overwritten in
-                zip(grads, objective.loss_scale.unscale(grads), self._overwritten[name])]
+        overwritten = self._overwritten[name]
+        return _merged(overwritten, _select(grads, overwritten),
+                       objective.loss_scale.unscale(_select(grads, _negated(overwritten))))
 
     def _add_micro_batch(self, micro_batches: Batch, index: tf.Tensor, step_number: tf.Tensor,
                          accumulated: tuple) -> tuple:
@@ -660,6 +663,12 @@ def _select(values: list, keep: list[bool]) -> list:
     return [value for value, kept in zip(values, keep) if kept]
 
 
+def _maximum(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """The element-wise maximum, NaN where either is NaN: XLA's maximum on a CPU drops a NaN
+    (max(1, NaN) = 1), which would hide an overflowed micro-batch's new value."""
+    return tf.where(tf.math.is_nan(a + b), a + b, tf.maximum(a, b))
+
+
 def _negated(flags: list[bool]) -> list[bool]:
     """Each of `flags` negated."""
     return [not flag for flag in flags]
@@ -694,7 +703,8 @@ def _max_over_replicas(value: Any) -> Any:
     if replica_context is None or not tf.nest.flatten(value):
         return value
     gathered = replica_context.all_gather(tf.nest.map_structure(lambda t: t[tf.newaxis], value), axis=0)
-    return tf.nest.map_structure(lambda t: tf.reduce_max(t, axis=0), gathered)
+    return tf.nest.map_structure(lambda t: _maximum(tf.reduce_max(t, axis=0), tf.reduce_sum(t, axis=0)),
+                                 gathered)
 
 
 def _replicas() -> Optional[tf.distribute.ReplicaContext]:
