@@ -47,8 +47,7 @@ def quantize_selected(model: keras.Model, policy: Policy, setting: str) -> list[
     if not setting:
         return []
     layers = named_layers(model)
-    paths = (_auto_paths(model, policy, layers) if setting == AUTO
-             else _regex_paths(setting, layers))
+    paths = auto_paths(model, policy) if setting == AUTO else _regex_paths(setting, layers)
     quantize(model, paths)
     return paths
 
@@ -74,9 +73,9 @@ def describe(model: keras.Model, setting: str, max_paths: int = 6) -> Optional[s
     """One log line: which layers train in FP8, grouped by dtype policy; None when `setting` is
     off and no layer is float8 (a run without FP8 says nothing about it)."""
     groups: dict[str, list[str]] = {}
-    for path, layer in named_layers(model).items():
-        if layer.quantization_mode == FLOAT8:
-            groups.setdefault(layer.dtype_policy.name, []).append(path)
+    layers = named_layers(model)
+    for path in float8_paths(model):
+        groups.setdefault(layers[path].dtype_policy.name, []).append(path)
     if not groups:
         return (f"No layer trains in FP8: {SETTING}={setting!r} selected none (only Dense and "
                 "EinsumDense layers outside the output layers and the float32 placement)"
@@ -86,12 +85,22 @@ def describe(model: keras.Model, setting: str, max_paths: int = 6) -> Optional[s
     return "Layers training in FP8 (Keras's float8 QDQ): " + "; ".join(parts)
 
 
-def _auto_paths(model: keras.Model, policy: Policy,
-                layers: dict[str, keras.layers.Layer]) -> list[str]:
+def float8_paths(model: keras.Model) -> list[str]:
+    """The paths of the model's layers that train in FP8 (quantized by the config or by the
+    research code), in model order."""
+    return [path for path, layer in named_layers(model).items() if layer.quantization_mode == FLOAT8]
+
+
+def can_train_in_float8(layer: keras.layers.Layer) -> bool:
+    """Whether Keras's `quantize("float8")` takes `layer` (it refuses subclasses), or took it."""
+    return _refusal(layer) is None
+
+
+def auto_paths(model: keras.Model, policy: Policy) -> list[str]:
     """`auto`: the unquantized Dense and EinsumDense layers computing in the policy's compute dtype,
     except the output layers."""
     outputs = {id(layer) for layer in _output_layers(model)}
-    return [path for path, layer in layers.items()
+    return [path for path, layer in named_layers(model).items()
             if type(layer) in FLOAT8_TYPES and layer.quantization_mode is None
             and layer.compute_dtype == policy.compute_dtype.name
             and id(layer) not in outputs and layer.name != LOGITS_LAYER_NAME]
@@ -111,7 +120,7 @@ def _regex_paths(pattern: str, layers: dict[str, keras.layers.Layer]) -> list[st
     for path in matched:
         refusal = _refusal(layers[path])
         if refusal:
-            eligible = [p for p, layer in layers.items() if _refusal(layer) is None]
+            eligible = [p for p, layer in layers.items() if can_train_in_float8(layer)]
             raise ConfigError(
                 f"{SETTING}={pattern!r} matches {path}, {refusal}; Keras trains only Dense and "
                 f"EinsumDense layers in float8, here: {shown_paths(eligible, 5) or 'none'}")

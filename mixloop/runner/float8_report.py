@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 import ml_dtypes
 import numpy as np
 
-from mixloop.engine.float8_layers import FLOAT8, FLOAT8_TYPES
+from mixloop.engine.float8_layers import FLOAT8
 
 # E5M2 spans 2^32 from its smallest subnormal to its max, so at a fresh history's scale a gradient
 # flushes only below amax * 2^-33; healthy layers flush less than 0.1% there (every Dense of
@@ -72,11 +72,6 @@ class Float8Report:
         """Whether the layer can train in FP8: the module docstring's rule."""
         return (self.backward_flushed <= FLUSH_TOLERANCE
                 and self.forward_saturated <= SATURATION_TOLERANCE)
-
-
-def can_train_in_float8(layer) -> bool:
-    """Whether Keras's `quantize("float8")` takes `layer` (it refuses subclasses), or took it."""
-    return type(layer) in FLOAT8_TYPES and layer.quantization_mode in (None, FLOAT8)
 
 
 def shares(values: Sequence[np.ndarray], top: float, dtype: str) -> tuple[float, float]:
@@ -139,15 +134,18 @@ class Float8Advice:
     regex: Optional[str]
 
 
-def advise(reports: Sequence[tuple[str, Float8Report]],
-           in_float8: Sequence[str]) -> Optional[Float8Advice]:
-    """The advice over the (path, report) pairs of the measured layers; the candidates are the
-    layers `in_float8` (those the run trains in FP8) when there are any, else every measured
-    layer. None when no layer was measured."""
+def advise(reports: Sequence[tuple[str, Float8Report]], in_float8: Sequence[str],
+           candidates: Sequence[str]) -> Optional[Float8Advice]:
+    """The advice over the (path, report) pairs of the measured layers, among the layers
+    `in_float8` (those the run trains in FP8) when there are any, else among `candidates` (what
+    `precision.float8_layers=auto` would take: not the outputs, not the float32 placement). None
+    when no such layer was measured."""
+    considered = set(in_float8 or candidates)
+    reports = [(path, report) for path, report in reports if path in considered]
     if not reports:
         return None
     unfit = [path for path, report in reports if not report.fits]
-    fit = [path for path, report in reports if report.fits and (not in_float8 or path in in_float8)]
+    fit = [path for path, report in reports if report.fits]
     change = unfit or not in_float8
     return Float8Advice(unfit=unfit, fit=fit,
                         regex="|".join(re.escape(path) for path in fit) if change and fit else None)

@@ -365,15 +365,8 @@ def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batche
         gradient_zero_fraction=fractions[0], gradient_subnormal_fraction=fractions[1],
         gradient_overflow_fraction=fractions[2], layers=layers, variables=variables,
         advice=_advise(layers, variables, fractions, scale, policy, trainer.config.precision, whose,
-                       _float8_paths(model)),
+                       float8_layers.float8_paths(model), float8_layers.auto_paths(model, policy)),
     )
-
-
-def _float8_paths(model: keras.Model) -> list[str]:
-    """The paths of the model's layers that train in FP8 (quantized by the config or by the
-    research code)."""
-    return [path for path, layer in named_layers(model).items()
-            if layer.quantization_mode == float8_layers.FLOAT8]
 
 
 def write_json(report: PrecisionReport, path: str) -> str:
@@ -720,7 +713,7 @@ class _LayerTally:
 
     def __init__(self, path: str, layer: keras.layers.Layer):
         self.path, self.compute_dtype = path, layer.compute_dtype
-        self.float8 = (float8_report.Float8Tally(layer) if float8_report.can_train_in_float8(layer)
+        self.float8 = (float8_report.Float8Tally(layer) if float8_layers.can_train_in_float8(layer)
                        else None)
         self.max_abs_input: Optional[float] = None  # Stays None for layers that read only ids.
         self.max_abs_output = self.max_abs_output_grad = 0.0
@@ -832,10 +825,10 @@ class _VariableTally:
 
 def _advise(layers: list[LayerReport], variables: list[VariableReport], fractions: list[float],
             scale: float, policy: Policy, precision: ml_collections.ConfigDict, whose: str,
-            in_float8: list[str]) -> Advice:
+            in_float8: list[str], float8_candidates: list[str]) -> Advice:
     """The advice of the module docstring, with the problems that motivate it; `whose` begins each
     problem of the objective's gradients ("" with a single objective); `in_float8`: the paths of
-    the layers the run trains in FP8."""
+    the layers the run trains in FP8; `float8_candidates`: those `float8_layers=auto` would take."""
     low_layers = [layer for layer in layers if layer.compute_dtype != "float32"]
     low_variables = [variable for variable in variables if variable.dtype != "float32"]
     hot = finest(layer for layer in low_layers if not layer.float32_non_finite_outputs
@@ -868,7 +861,7 @@ def _advise(layers: list[LayerReport], variables: list[VariableReport], fraction
                        and not bfloat16_breaks),
         overrides=_overrides(regex if hot_paths else None, initial_scale, precision),
         float8=float8_report.advise([(layer.path, layer.float8) for layer in layers if layer.float8],
-                                    in_float8),
+                                    in_float8, float8_candidates),
     )
 
 

@@ -36,9 +36,10 @@ interleaved (A B C ... A B C ...), so a busy neighbour slows every variant alike
 timed with `perf_counter` until its last result is read back to the host. The table prints each
 variant's median examples/s and the median over repeats of its ratio to keras-fit and to the bare
 loop of its compile mode; then the headline: each 16-bit policy against float32, each in its fastest
-compile mode, the mode `auto` picked, and the other ratios. `--output` writes the same as JSON to a
-new file, checked before the work (`cli.check_output`); Ctrl-C or SIGTERM is one line
-(`mixloop.interrupts`). The benchmark needs one replica.
+compile mode, the mode `auto` picked, and the other ratios. `--output=X.json` writes the same as
+JSON to a new file, checked before the work (`cli.check_output`), and with matplotlib a chart to X.png
+beside it (`plot`: each policy's speed in each compile mode, float32's fastest as 1.0); Ctrl-C or
+SIGTERM is one line (`mixloop.interrupts`). The benchmark needs one replica.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from absl import flags, logging
 
 from mixloop import cli
 from mixloop.config import AUTO, split_auto, validate
-from mixloop.engine import layer_precision
+from mixloop.engine import float8_layers, layer_precision
 from mixloop.engine.loss import Loss, as_loss, as_losses
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.engine.step import forward
@@ -87,6 +88,10 @@ EMA_DECAY = 0.999  # The ema_decay of the EMA variant.
 NO_RETRIES = "mixloop overflow_retries=0"  # float16, dynamic scale, no retry loop.
 _AUTO_KEYS = {"xla": True, "graph": False, "elementwise": compile_mode.ELEMENTWISE}  # JSON's names.
 EXTRA_METRIC = "benchmark_output_mean"  # The +metric variant's train metric.
+# Variants that change something besides policy, compile mode, accumulation and loss scale: left out
+# of the policy comparisons (the headline and the chart).
+SIDE_VARIANTS = ("mixloop ema_decay", "mixloop +metric", "mixloop batch_loss", NO_RETRIES)
+FLOAT8_NAME = "float8_layers=auto"  # In the names of the float8 variants.
 
 
 @dataclasses.dataclass
@@ -169,7 +174,8 @@ def keras_fit_variant(trainer, data: tf.data.Dataset, *, tuned: bool) -> Variant
                   **tuning)
     epoch = data.prefetch(tf.data.AUTOTUNE)
     return Variant("keras-fit-tuned" if tuned else "keras-fit", policy.keras_name, 1,
-                   "dynamic" if float16 else "none", model.jit_compile, False, False,
+                   "dynamic" if float16 else "none", model.jit_compile, False,
+                   bool(float8_layers.float8_paths(model)),
                    lambda: model.fit(epoch, verbose=0))
 
 
@@ -266,7 +272,9 @@ def mixloop_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collectio
     changes += [{"precision.policy": float16, "precision.loss_scale": s} for s in ("dynamic", "none")]
     changes += [{"jit_compile": m} for m in other_modes]
     changes += [{"train.batch_loss": False}]  # Plain accumulation beside the two passes.
-    changes += [{"precision.policy": p, "precision.float8_layers": AUTO} for p in POLICIES[1:]]
+    # FP8 in each 16-bit policy, and without it (new only when the configured run has FP8).
+    changes += [{"precision.policy": p, "precision.float8_layers": layers}
+                for p in POLICIES[1:] for layers in (AUTO, "")]
     configs, seen = {"mixloop": config}, [_settings(config)]
     for change in changes:
         changed = _changed(config, change)
@@ -392,9 +400,9 @@ def floor_of(variant: Variant, variants: list[Variant]) -> Optional[Variant]:
 def fastest_mode(variants: list[Variant], **wanted: Any) -> Variant:
     """Of the mixloop variants with the `wanted` fields, in each compile mode, the fastest (by median
     seconds)."""
-    matching = [v for v in variants if v.name.startswith("mixloop") and not v.name.startswith(
-                    ("mixloop ema_decay", "mixloop +metric", "mixloop batch_loss", NO_RETRIES))
-                and not v.float8 and all(getattr(v, key) == value for key, value in wanted.items())]
+    matching = [v for v in variants if v.name.startswith("mixloop")
+                and not v.name.startswith(SIDE_VARIANTS)
+                and all(getattr(v, key) == value for key, value in wanted.items())]
     return min(matching, key=lambda v: statistics.median(v.seconds))
 
 
@@ -403,7 +411,12 @@ def pairwise_ratio(numerator: Optional[Variant], denominator: Optional[Variant])
     (None when either was not timed)."""
     if numerator is None or denominator is None:
         return None
-    return statistics.median(d / n for n, d in zip(numerator.seconds, denominator.seconds))
+    return _median_ratio(numerator.seconds, denominator.seconds)
+
+
+def _median_ratio(numerator_seconds: list[float], denominator_seconds: list[float]) -> float:
+    """Median over repeats of the speed ratio, from each repeat's seconds (a speed is 1 / seconds)."""
+    return statistics.median(d / n for n, d in zip(numerator_seconds, denominator_seconds))
 
 
 def _find(variants: list[Variant], **wanted: Any) -> Variant:
@@ -424,8 +437,11 @@ def _ordered(a: Variant, b: Variant, *, first_is_on: bool) -> tuple[Variant, Var
 def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) -> dict[str, float]:
     """The ratios of RATIOS (and BATCH_LOSS_RATIO with train.batch_loss), keyed by name."""
     by_name = {v.name: v for v in variants}
-    policy, k, scale, xla, _, _ = _settings(config)
+    policy, k, scale, xla, _, float8 = _settings(config)
     float16 = _float16_policy(config)
+    every_variant = variants
+    # Every ratio but float8's compares variants that train in FP8 as the configured run does.
+    variants = [v for v in variants if v.float8 == float8]
     best = {name: fastest_mode(variants, policy=name, accumulation_steps=k,
                                **({"loss_scale": "dynamic"} if name == "mixed_float16" else {}))
             for name in POLICIES}
@@ -447,8 +463,8 @@ def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) 
         "metric/no-metric": (by_name["mixloop +metric"], by_name["mixloop"]),
         "retries/no-retries": (_find(variants, policy=float16, accumulation_steps=k,
                                      loss_scale="dynamic", xla=xla), by_name[NO_RETRIES]),
-        "float8/bfloat16": tuple(_find(variants, policy="mixed_bfloat16", accumulation_steps=k,
-                                       xla=xla, float8=float8) for float8 in (True, False)),
+        "float8/bfloat16": tuple(_find(every_variant, policy="mixed_bfloat16", accumulation_steps=k,
+                                       xla=xla, float8=on) for on in (True, False)),
         BATCH_LOSS_RATIO: (by_name["mixloop"], by_name.get("mixloop batch_loss=False")),
     }
     names = RATIOS + ((BATCH_LOSS_RATIO,) if config.train.batch_loss else ())
@@ -558,6 +574,92 @@ def write_json(report: dict[str, Any], path: str) -> None:
         f.write("\n")
 
 
+# ----- The chart. -----
+
+MODE_LABELS = {True: "XLA", False: "graph", compile_mode.ELEMENTWISE: "elementwise"}  # Its groups.
+FLOAT8_LABEL = " + float8"  # Added to a policy's label for its float8_layers=auto row.
+_COLORS = {"float32": "tab:gray", "mixed_float16": "tab:orange", "mixed_bfloat16": "tab:blue"}
+
+
+def policy_speeds(report: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """{compile mode: {policy: speed}} from a report's mixloop rows at the configured accumulation
+    (float16 under its dynamic scale), a speed being the median over repeats of the row's examples/s
+    over float32's in float32's fastest mode (1.0 there). The float8 rows are policies of their own,
+    "mixed_bfloat16 + float8", timed in the configured mode only."""
+    rows = [row for row in report["variants"]
+            if row["name"].startswith("mixloop") and not row["name"].startswith(SIDE_VARIANTS)]
+    accumulation = next(row for row in rows if row["name"] == "mixloop")["accumulation_steps"]
+    seconds: dict[tuple[str, str], list[float]] = {}
+    for row in rows:
+        if row["accumulation_steps"] == accumulation and (
+                row["policy"] != "mixed_float16" or row["loss_scale"] == "dynamic"):
+            policy = row["policy"] + (FLOAT8_LABEL if FLOAT8_NAME in row["name"] else "")
+            seconds.setdefault((MODE_LABELS[row["xla"]], policy), row["seconds"])
+    float32 = min((s for (_, policy), s in seconds.items() if policy == "float32"),
+                  key=statistics.median)
+    speeds: dict[str, dict[str, float]] = {label: {} for label in MODE_LABELS.values()}
+    for policy in [*POLICIES, *(p + FLOAT8_LABEL for p in POLICIES)]:
+        for mode in speeds:
+            if (mode, policy) in seconds:
+                speeds[mode][policy] = _median_ratio(seconds[mode, policy], float32)
+    return {mode: by_policy for mode, by_policy in speeds.items() if by_policy}
+
+
+def plot(report: dict[str, Any], path: str) -> Optional[dict[str, dict[str, float]]]:
+    """Draws `policy_speeds(report)` as grouped bars (a group per compile mode, a bar per policy, a
+    dashed line at float32's 1.0) into the PNG `path`, from the JSON report alone:
+    `plot(json.load(open("speed.json")), "speed.png")`. Returns the bar heights; without matplotlib,
+    one warning line naming the install command, and None."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        logging.warning("matplotlib is not installed, so no %s (pip install -e '.[plot]')", path)
+        return None
+    speeds = policy_speeds(report)
+    figure = Figure(figsize=(9, 5), layout="constrained")
+    FigureCanvasAgg(figure)  # Agg: a PNG without a display.
+    ax = figure.subplots()
+    width = 0.8 / max(len(by_policy) for by_policy in speeds.values())
+    labelled = set()
+    for group, by_policy in enumerate(speeds.values()):
+        for index, (policy, speed) in enumerate(by_policy.items()):
+            x = group + (index - (len(by_policy) - 1) / 2) * width
+            float8 = policy.endswith(FLOAT8_LABEL)
+            bar = ax.bar(x, speed, width * 0.9, color=_COLORS[policy.removesuffix(FLOAT8_LABEL)],
+                         alpha=0.45 if float8 else 1.0, hatch="//" if float8 else None,
+                         edgecolor="black", linewidth=0.5,
+                         label=None if policy in labelled else policy)
+            labelled.add(policy)
+            ax.bar_label(bar, [f"{speed:.2f}"], fontsize="small", padding=2)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, zorder=0)
+    ax.set_xticks(range(len(speeds)), [_group_label(report, mode) for mode in speeds])
+    ax.set_ylabel("examples/s ÷ float32's in its fastest mode")
+    ax.margins(y=0.12)
+    ax.legend(fontsize="small", loc="upper left")
+    ax.set_title(_chart_title(report), fontsize="medium")
+    figure.savefig(path, dpi=120)
+    return speeds
+
+
+def _group_label(report: dict[str, Any], mode: str) -> str:
+    """The compile mode, and whether jit_compile=auto picked it for the configured policy."""
+    auto = report.get("auto_compile_mode")
+    if not auto or MODE_LABELS[auto["mode"]] != mode:
+        return mode
+    policy = next(row for row in report["variants"] if row["name"] == "mixloop")["policy"]
+    return f"{mode}\n(jit_compile=auto's pick for {policy})"
+
+
+def _chart_title(report: dict[str, Any]) -> str:
+    """The experiment, the batch, the repeats and the CPU."""
+    experiment = report["trainer"].rsplit(".", 1)[0].rsplit(".", 1)[-1]
+    machine = report["machine"]
+    return (f"{experiment}: training speed per policy and compile mode (batch "
+            f"{report['batch_size']}, median of {report['repeats']} repeats)\n"
+            f"{machine['processor']}, {machine['cpu_count']} cores")
+
+
 # ----- The command. -----
 
 
@@ -595,6 +697,12 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
     return results(variants, config, repeats=repeats, quick=quick, auto=auto)
 
 
+def chart_path(output: str) -> str:
+    """Where --output=`output` (X.json) puts the chart: X.png beside it (X.png.png for X.png)."""
+    root, extension = os.path.splitext(output)
+    return (output if extension == ".png" else root) + ".png"
+
+
 def define_flags() -> None:
     """The command's flags beside cli's --config and --workdir. Defined only when the module runs as
     a program (`python -m mixloop.benchmark`): the doctor has an --output flag too, and the tests
@@ -602,7 +710,8 @@ def define_flags() -> None:
     flags.DEFINE_bool("quick", False, "A smoke run: 3 repeats of at most 5 updates each.")
     flags.DEFINE_integer("repeats", None, "Timed repeats of every variant (default 5, or 3 with "
                          "--quick).", lower_bound=1)
-    flags.DEFINE_string("output", None, "Also write the results as JSON to this file.")
+    flags.DEFINE_string("output", None, "Also write the results as JSON to this file (X.json), and "
+                        "with matplotlib their chart to X.png beside it.")
 
 
 def main() -> None:
@@ -611,13 +720,20 @@ def main() -> None:
     # fit's `shuffle` defaults to True, which a tf.data.Dataset ignores, with a warning.
     warnings.filterwarnings("ignore", message="`shuffle=True` was passed")
     repeats = options.repeats or (QUICK_REPEATS if options.quick else REPEATS)
-    if options.output:
-        cli.check_output(options.output, folder=False)  # Before the work, not after it.
+    if options.output:  # Before the work, not after it.
+        cli.check_output(options.output, folder=False)
+        if os.path.lexists(chart_path(options.output)):
+            raise UserError(f"--output={options.output} writes its chart to "
+                            f"{chart_path(options.output)}, which exists; name a new place, or move "
+                            "it away")
     report = benchmark(config, repeats=repeats, quick=options.quick)
     print(format_table(report))
     if options.output:
         write_json(report, options.output)
-        logging.info("Wrote %s", options.output)
+        written = [options.output]
+        if plot(report, chart_path(options.output)):
+            written.append(chart_path(options.output))
+        logging.info("Wrote %s", ", ".join(written))
     # Python's last garbage collection, at exit, would spend longer deleting the traced functions
     # than --quick spends timing them (20 s for charlm); the process is ending anyway.
     gc.freeze()
