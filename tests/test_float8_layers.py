@@ -256,3 +256,20 @@ def test_charlm_in_float8_exports_a_model_that_loads(tmp_path):
     importlib.import_module("experiments.charlm")  # As the export's loading line says.
     exported = keras.models.load_model(tmp_path / "model.keras")
     assert not any(layer.quantization_mode for layer in named_layers(exported).values())
+
+
+def test_the_probes_pin_line_keeps_the_float8_layers_auto_chose():
+    """A layer the probe moves to float32 keeps float8 over float32; a run started with the pinned
+    float32_layers would place it first, and auto would leave it out: the pin names auto's choice."""
+    from types import SimpleNamespace
+
+    from mixloop.config import base_config
+    from mixloop.runner import auto_precision
+
+    config = base_config()
+    trainer = SimpleNamespace(config=config, float8_paths=["block0/query", "block0/mlp.in"])
+    assert auto_precision._pin(trainer, "hot") == "--config.precision.float32_layers='hot'"
+    config.precision.float8_layers = "auto"
+    assert auto_precision._pin(trainer, "hot") == (
+        "--config.precision.float32_layers='hot' "
+        "--config.precision.float8_layers='block0/query|block0/mlp\\.in'")

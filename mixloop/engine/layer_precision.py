@@ -179,7 +179,7 @@ def own_float32_layers(model: keras.Model, policy: Policy,
     for path, layer in named_layers(model).items():
         if layer.compute_dtype == "float32" and not any(
                 path == outer or path.startswith(outer + "/") for outer in inside):
-            found.append(Float32Layer(path, OWN_POLICY))
+            found.append(Float32Layer(path, OWN_POLICY, layer.dtype_policy.name))
             inside.append(path)
     return found
 

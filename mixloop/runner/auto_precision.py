@@ -108,7 +108,7 @@ def start(trainer) -> None:
     pinned = pinned_regex(recorded or explicit, [layer.path for layer in found])
     if auto_layers:
         logging.info("precision.float32_layers=auto: %s",
-                     _placement_sentence(reports[0], evidence, pinned, seconds))
+                     _placement_sentence(reports[0], evidence, _pin(trainer, pinned), seconds))
     resolved = {FLOAT32_KEY: pinned} if auto_layers else {}
     if auto_scale and fresh:
         resolved[SCALE_KEY] = _start_loss_scales(trainer, reports, [l.path for l in found])
@@ -142,7 +142,8 @@ def heal(trainer) -> str:
     pinned = pinned_regex(recorded or split_auto(precision.float32_layers)[1],
                           [layer.path for layer in found])
     _record(trainer, {FLOAT32_KEY: pinned}, reports)
-    return _placement_sentence(reports[0], evidence, pinned, time.perf_counter() - started)
+    return _placement_sentence(reports[0], evidence, _pin(trainer, pinned),
+                               time.perf_counter() - started)
 
 
 def cure(trainer) -> str:
@@ -293,14 +294,24 @@ def _move(trainer, paths: Sequence[str]) -> list[layer_precision.Float32Layer]:
     return layer_precision.move_to_float32(trainer.model, trainer.policy, paths, REASON)
 
 
-def _placement_sentence(report: PrecisionReport, evidence: list[str], pinned: str,
+def _pin(trainer, pinned: str) -> str:
+    """The flags that start a new run with this placement: `pinned` as precision.float32_layers
+    and, under float8_layers=auto, the layers it chose (placed first, `auto` would leave out the
+    layers now moved, which keep float8 over float32 here)."""
+    flags = f"--config.precision.float32_layers='{pinned}'"
+    if trainer.config.precision.float8_layers == AUTO and trainer.float8_paths:
+        chosen = "|".join(re.escape(path) for path in trainer.float8_paths)
+        flags += f" --config.precision.float8_layers='{chosen}'"
+    return flags
+
+
+def _placement_sentence(report: PrecisionReport, evidence: list[str], pin: str,
                         seconds: float) -> str:
-    """'probed N train batches in S s: <evidence per layer moved>; moved to float32 (pin: ...)',
-    or that nothing needed moving and how close the largest 16-bit value came."""
+    """'probed N train batches in S s: <evidence per layer moved>; moved to float32 (to pin this
+    placement: <pin>)', or that nothing needed moving and how close the largest 16-bit value came."""
     probed = f"probed {report.num_batches} train batches in {seconds:.1f} s"
     if evidence:
-        return (f"{probed}: {'; '.join(evidence)}; moved to float32 (to pin this placement: "
-                f"--config.precision.float32_layers='{pinned}')")
+        return f"{probed}: {'; '.join(evidence)}; moved to float32 (to pin this placement: {pin})"
     low = [layer for layer in report.layers if layer.compute_dtype != "float32"]
     closest = min(low, key=lambda layer: layer.headroom_bits, default=None)
     if closest is None:
