@@ -4,6 +4,7 @@ on: the inner loop is traced once, whatever the loop lengths, and entered from P
 import json
 import logging
 import math
+import sys
 import time
 from types import SimpleNamespace
 
@@ -28,6 +29,7 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
     assert result.returncode == 0, result.stderr
 
     report = json.loads(output.read_text())
+    assert (tmp_path / "speed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # The chart beside it.
     names = [row["name"] for row in report["variants"]]
     # jit_compile=auto: the configured run (mixed_float16) in the mode the probe picked; every
     # policy in the three modes; each variant named by what differs from the configured run.
@@ -82,6 +84,17 @@ def test_a_variant_that_does_not_fit_is_one_line_and_exit_2():
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "mixloop accumulation_steps=8" in errors[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_an_existing_chart_beside_the_output_is_refused_before_the_work(tmp_path):
+    (tmp_path / "speed.png").write_bytes(b"an earlier chart")
+    result = run_cli(f"--config={TINY_CONFIG}", "--quick", f"--output={tmp_path}/speed.json")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert cli_runs.error_lines(result) == [
+        f"error: --output={tmp_path}/speed.json writes its chart to {tmp_path}/speed.png, which "
+        "exists; name a new place, or move it away"], result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["speed.png"]
 
 
 def _in_three_modes(name):
@@ -269,3 +282,85 @@ def test_timing_logs_each_warm_up_and_each_repeat_as_it_goes(caplog):
     expected = [100 / seconds for pair in zip(*(v.seconds for v in variants)) for seconds in pair]
     assert speeds == pytest.approx(expected, rel=1e-3)
     assert all(speed < 100 / 0.01 for speed in speeds)  # Each repeat slept 10 ms.
+
+
+def _row(name, policy, xla, seconds, accumulation_steps=1, loss_scale="none"):
+    return dict(name=name, policy=policy, xla=xla, seconds=seconds,
+                accumulation_steps=accumulation_steps, loss_scale=loss_scale)
+
+
+# A run configured in mixed_bfloat16, auto picking graph mode: float32 is fastest with XLA (1.6 s a
+# repeat), so every bar is 1.6 s over the row's seconds.
+CHART_REPORT = dict(
+    trainer="experiments.charlm.CharLMTrainer", batch_size=32, repeats=3,
+    auto_compile_mode=dict(mode=False),
+    machine=dict(processor="Test CPU @ 2.00GHz", cpu_count=2),
+    variants=[
+        _row("keras-fit", "mixed_bfloat16", False, [0.1] * 3),  # Not mixloop: left out.
+        _row("bare", "mixed_bfloat16", False, [0.1] * 3),
+        _row("mixloop", "mixed_bfloat16", False, [1.0, 1.0, 1.0]),
+        _row("mixloop accumulation_steps=4", "mixed_bfloat16", False, [0.1] * 3, 4),
+        _row("mixloop jit_compile=True", "mixed_bfloat16", True, [2.0, 2.0, 2.0]),
+        _row("mixloop jit_compile=elementwise", "mixed_bfloat16", "elementwise", [0.8, 0.8, 0.8]),
+        _row("mixloop policy=float32", "float32", False, [2.0, 2.0, 2.0]),
+        _row("mixloop policy=float32 jit_compile=True", "float32", True, [1.6, 1.6, 1.6]),
+        _row("mixloop policy=float32 jit_compile=elementwise", "float32", "elementwise",
+             [1.7, 1.7, 1.7]),
+        _row("mixloop policy=mixed_float16", "mixed_float16", False, [4.0] * 3, loss_scale="dynamic"),
+        _row("mixloop policy=mixed_float16 jit_compile=True", "mixed_float16", True, [3.2] * 3,
+             loss_scale="dynamic"),
+        _row("mixloop policy=mixed_float16 jit_compile=elementwise", "mixed_float16", "elementwise",
+             [2.0] * 3, loss_scale="dynamic"),
+        _row("mixloop policy=mixed_float16 loss_scale=none", "mixed_float16", False, [0.1] * 3),
+        _row("mixloop policy=mixed_float16 float8_layers=auto", "mixed_float16", False, [6.4] * 3,
+             loss_scale="dynamic"),
+        _row("mixloop float8_layers=auto", "mixed_bfloat16", False, [3.2] * 3),
+        _row("mixloop ema_decay=0.999", "mixed_bfloat16", False, [0.1] * 3),
+        _row("mixloop +metric", "mixed_bfloat16", False, [0.1] * 3),
+        _row("mixloop overflow_retries=0", "mixed_float16", False, [0.1] * 3, loss_scale="dynamic"),
+    ])
+
+
+def test_the_chart_is_a_png_of_each_policy_in_each_mode_over_float32_at_its_fastest(tmp_path):
+    path = tmp_path / "speed.png"
+    speeds = benchmark.plot(CHART_REPORT, str(path))
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    # Groups in MODES' order, bars in POLICIES' order then the float8 rows (the configured mode
+    # only); the loss_scale=none, accumulation and side variants are not bars.
+    assert {mode: list(by_policy) for mode, by_policy in speeds.items()} == {
+        "XLA": ["float32", "mixed_float16", "mixed_bfloat16"],
+        "graph": ["float32", "mixed_float16", "mixed_bfloat16", "mixed_float16 + float8",
+                  "mixed_bfloat16 + float8"],
+        "elementwise": ["float32", "mixed_float16", "mixed_bfloat16"]}
+    assert speeds["XLA"]["float32"] == 1.0
+    assert speeds == {
+        "XLA": pytest.approx({"float32": 1.0, "mixed_float16": 0.5, "mixed_bfloat16": 0.8}),
+        "graph": pytest.approx({"float32": 0.8, "mixed_float16": 0.4, "mixed_bfloat16": 1.6,
+                                "mixed_float16 + float8": 0.25, "mixed_bfloat16 + float8": 0.5}),
+        "elementwise": pytest.approx({"float32": 1.6 / 1.7, "mixed_float16": 0.8,
+                                      "mixed_bfloat16": 2.0})}
+
+
+def test_chart_bars_pair_repeats_as_the_headline_does():
+    rows = [_row("mixloop", "mixed_bfloat16", True, [1.0, 4.0, 4.0]),
+            _row("mixloop policy=float32", "float32", True, [2.0, 8.0, 2.0])]
+    report = dict(CHART_REPORT, variants=rows)
+    assert benchmark.policy_speeds(report) == {"XLA": {"float32": 1.0, "mixed_bfloat16": 2.0}}
+
+
+def test_without_matplotlib_the_chart_is_one_line_naming_the_install(tmp_path, caplog, monkeypatch):
+    for module in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, module, None)  # Importing it raises ImportError.
+    caplog.set_level(logging.INFO)
+    path = tmp_path / "speed.png"
+    assert benchmark.plot(CHART_REPORT, str(path)) is None
+    assert not path.exists()
+    assert [record.getMessage() for record in caplog.records] == [
+        f"matplotlib is not installed, so no {path} (pip install -e '.[plot]')"]
+
+
+def test_the_chart_goes_beside_the_json():
+    assert benchmark.chart_path("runs/speed.json") == "runs/speed.png"
+    assert benchmark.chart_path("speed") == "speed.png"
+    assert benchmark.chart_path("speed.png") == "speed.png.png"  # Never the JSON's own path.

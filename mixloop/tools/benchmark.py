@@ -636,7 +636,7 @@ def plot(report: dict[str, Any], path: str) -> Optional[dict[str, dict[str, floa
     ax.set_xticks(range(len(speeds)), [_group_label(report, mode) for mode in speeds])
     ax.set_ylabel("examples/s ÷ float32's in its fastest mode")
     ax.margins(y=0.12)
-    ax.legend(fontsize="small", loc="upper left")
+    figure.legend(loc="outside lower center", ncols=len(labelled), fontsize="small", frameon=False)
     ax.set_title(_chart_title(report), fontsize="medium")
     figure.savefig(path, dpi=120)
     return speeds
