@@ -7,7 +7,7 @@ cross-entropy) asks each of the 2 x 128 projections of a batch to pick its other
 255 others. The loss couples the batch's examples, so `train.accumulation_steps=4` alone would
 contrast each micro-batch's 32 pairs among themselves (63 candidates, chance log 63 = 4.14, not log
 255 = 5.54): another loss. `train.batch_loss=True` computes it on the whole batch with
-accumulation's memory (GradCache's two passes, README "A loss over the whole batch").
+accumulation's memory (GradCache's two passes, docs/recipes.md "A loss over the whole batch").
 
 Eval, after each `eval.every_steps`: `loss` and `pair_accuracy` (the share of projections whose
 nearest other projection is their other view), NT-Xent on augmented held-out images in batches of
@@ -28,7 +28,7 @@ Expect, on 2 CPU cores: about a minute (63 s measured: 1,500 updates with XLA, w
 measured; float32, where auto picks graph mode, 2.0479 / 0.858 / 0.9870 / 0.9115), train NT-Xent
 2.02, no update skipped. With
 `--config.train.batch_loss=False` the train loss reads 0.96 (each micro-batch's 63 candidates)
-and the eval NT-Xent is worse, 2.15 (README, "A contrastive loss under accumulation").
+and the eval NT-Xent is worse, 2.0992 (docs/results.md).
 The `quick` variant (40 updates of a narrower model) only checks that everything runs.
 """
 

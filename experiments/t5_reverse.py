@@ -14,7 +14,7 @@ Run (from the repository root; needs `pip install keras-hub`)::
     python -m mixloop.train --config=experiments/t5_reverse.py --workdir=runs/t5_reverse
     python -m mixloop.train --config=experiments/t5_reverse.py:quick --workdir=runs/t5_quick
 
-The README's results table has its figures and the command that made them.
+docs/results.md has its figures and the command that made them.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Run (from the repository root; needs `pip install keras-hub` and scikit-learn)::
     python -m mixloop.train --config=experiments/vit_digits.py --workdir=runs/vit_digits
     python -m mixloop.train --config=experiments/vit_digits.py:quick --workdir=runs/vit_quick
 
-The README's results table has its figures and the command that made them.
+docs/results.md has its figures and the command that made them.
 """
 
 from __future__ import annotations

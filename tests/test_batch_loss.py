@@ -99,7 +99,7 @@ def test_the_two_passes_give_the_whole_batch_gradient_to_float32_rounding(strate
 
 
 def test_without_batch_loss_each_micro_batch_and_replica_has_a_loss_of_its_own():
-    """What the README says plain accumulation does: NT-Xent over 8 pairs per micro-batch, a lower
+    """What docs/recipes.md says plain accumulation does: NT-Xent over 8 pairs per micro-batch, a lower
     loss (fewer negatives) and another gradient."""
     expected, expected_report = reference_update()
     strategy = distribution.make_strategy("mirrored")

@@ -1,10 +1,10 @@
-"""The README's research recipes, run as written: every snippet under "## Research recipes" is read
-from README.md, executed against a tiny model, and what the text under it promises is checked.
+"""The research recipes, run as written: every snippet of docs/recipes.md is read from the page,
+executed against a tiny model, and what the text under it promises is checked.
 
 A snippet is a fenced block preceded by `<!-- recipe: NAME -->`. A Python one runs in a namespace
-holding only `keras`, `tf`, `mixloop` and the names the README says it assumes (`MyTrainer`, or
+holding only `keras`, `tf`, `mixloop` and the names the page says it assumes (`MyTrainer`, or
 `trainer` and `inputs`), so a snippet that needs anything else fails here; tracebacks point at its
-lines in README.md.
+lines in docs/recipes.md.
 """
 
 import logging
@@ -21,8 +21,7 @@ import tiny_experiment
 from test_research import events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
-SECTION = "## Research recipes"
+PAGE = os.path.join(ROOT, "docs", "recipes.md")
 RECIPES = ("train-metric", "objectives", "cadence", "gradient-penalty", "batch-loss", "ema",
            "ema-weights", "actions", "extra-state", "noise", "schedule", "frozen")
 _RECIPE = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```(?P<language>\w+)\n(?P<code>.*?)^```",
@@ -30,14 +29,12 @@ _RECIPE = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```(?P<language>\w+)\n
 
 
 def recipes() -> dict[str, tuple[str, str, int]]:
-    """{name: (language, code, README line of its first code line)} of the section's recipes."""
-    with open(README, encoding="utf-8") as file:
+    """{name: (language, code, line of its first code line)} of the page's recipes."""
+    with open(PAGE, encoding="utf-8") as file:
         text = file.read()
-    start = text.index(f"\n{SECTION}\n")
-    end = text.find("\n## ", start + 1)
     return {match["name"]: (match["language"], match["code"],
                             text.count("\n", 0, match.start("code")) + 1)
-            for match in _RECIPE.finditer(text, start, end if end >= 0 else len(text))}
+            for match in _RECIPE.finditer(text)}
 
 
 def run_recipe(name: str, **assumed) -> dict:
@@ -45,7 +42,7 @@ def run_recipe(name: str, **assumed) -> dict:
     language, code, line = recipes()[name]
     assert language == "python", f"recipe {name} is {language}, not python"
     namespace = {"keras": keras, "tf": tf, "mixloop": mixloop, **assumed}
-    exec(compile("\n" * (line - 1) + code, README, "exec"), namespace)
+    exec(compile("\n" * (line - 1) + code, PAGE, "exec"), namespace)
     return namespace
 
 
@@ -147,10 +144,7 @@ def values(found: dict, tag: str) -> list:
     return [value for _, value in found[tag]]
 
 
-def test_the_section_follows_your_own_model_and_holds_every_recipe():
-    with open(README, encoding="utf-8") as file:
-        headings = [line.strip() for line in file if line.startswith("## ")]
-    assert headings[headings.index("## Your own model") + 1] == SECTION
+def test_the_page_holds_every_recipe():
     assert sorted(recipes()) == sorted(RECIPES)
 
 
