@@ -329,3 +329,20 @@ def test_an_objective_not_due_keeps_its_float8_variables():
         np.testing.assert_array_equal(value, before[path], err_msg=path)
     assert bool(step((tf.constant(x), tf.constant(y)))["objectives"]["model"]["applied"])  # Step 2.
     assert float8_variables(model)["hidden0/inputs_amax_history"][0] == np.abs(x).max()
+
+
+def test_a_nan_new_value_on_one_replica_skips_the_update_on_both():
+    strategy = distribution.make_strategy("mirrored")
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, NewValueOfTheSmallestInput(name="stat_layer")(inputs))
+        step = mixloop.TrainStep(model=model, optimizer=keras.optimizers.SGD(0.1),
+                                 loss_fn=lambda outputs, batch: tf.reduce_mean(outputs),
+                                 policy=mixloop.Policy.from_string("float32"))
+    positive = np.full((4, 4), 4.0, np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((np.r_[positive, -positive],)).batch(8)
+    batch = next(iter(distribution.distribute(strategy, lambda: dataset, 8)))
+    report = step(batch)["objectives"]["model"]
+    assert not bool(report["applied"]) and not bool(report["grads_finite"])
+    for value in strategy.experimental_local_results(model.get_layer("stat_layer").stat.value):
+        assert float(value) == 0.0

@@ -75,6 +75,16 @@ def reference(tmp_path_factory):
     return final_state(workdir)
 
 
+def wait_until_saved(process, workdir, step):
+    """Waits until checkpoint `step` is whole: the checkpoint state file names it once the save is
+    complete (its index file appears mid-write)."""
+    state_file = workdir / "checkpoints" / "checkpoint"
+    deadline = time.monotonic() + 240
+    while not (state_file.exists() and f'"ckpt-{step}"' in state_file.read_text()):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def assert_same_state(workdir, reference):
     state = final_state(workdir)
     assert state.keys() == reference.keys()
@@ -149,10 +159,7 @@ def test_sigkill_keeps_the_cadence_of_an_objective_every_5_steps(tmp_path):
     straight = cli_runs.run(*command(tmp_path / "straight"), cwd=repo)
     assert straight.returncode == 0, straight.stderr[-3000:]
     killed = cli_runs.start(*command(tmp_path / "killed"), cwd=repo, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while not glob.glob(str(tmp_path / "killed" / "checkpoints" / "ckpt-48.index")):
-        assert killed.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until_saved(killed, tmp_path / "killed", 48)
     killed.kill()
     killed.wait(timeout=60)
     resumed = cli_runs.run(*command(tmp_path / "killed"), cwd=repo)
@@ -173,12 +180,7 @@ def test_sigkill_resumes_float8_training_bit_identical(tmp_path):
     straight = cli_runs.run(*command(tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
     killed = cli_runs.start(*command(tmp_path / "killed"), stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    state_file = tmp_path / "killed" / "checkpoints" / "checkpoint"
-    # The checkpoint's state file names it once the save is complete (its index appears mid-write).
-    while not (state_file.exists() and '"ckpt-10"' in state_file.read_text()):
-        assert killed.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until_saved(killed, tmp_path / "killed", 10)
     killed.kill()
     killed.wait(timeout=60)
     resumed = cli_runs.run(*command(tmp_path / "killed"))

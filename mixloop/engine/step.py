@@ -669,6 +669,12 @@ def _maximum(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     return tf.where(tf.math.is_nan(a + b), a + b, tf.maximum(a, b))
 
 
+def _nan_kept(maximum: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
+    """`maximum` (of `values` along their first axis), NaN where any of them is NaN."""
+    nan = tf.reduce_any(tf.math.is_nan(values), axis=0)
+    return tf.where(nan, tf.constant(float("nan"), maximum.dtype), maximum)
+
+
 def _negated(flags: list[bool]) -> list[bool]:
     """Each of `flags` negated."""
     return [not flag for flag in flags]
@@ -703,8 +709,7 @@ def _max_over_replicas(value: Any) -> Any:
     if replica_context is None or not tf.nest.flatten(value):
         return value
     gathered = replica_context.all_gather(tf.nest.map_structure(lambda t: t[tf.newaxis], value), axis=0)
-    return tf.nest.map_structure(lambda t: _maximum(tf.reduce_max(t, axis=0), tf.reduce_sum(t, axis=0)),
-                                 gathered)
+    return tf.nest.map_structure(lambda t: _nan_kept(tf.reduce_max(t, axis=0), t), gathered)
 
 
 def _replicas() -> Optional[tf.distribute.ReplicaContext]:
