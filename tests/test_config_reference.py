@@ -9,11 +9,13 @@ import cli_runs
 import pytest
 
 from mixloop import config as config_module
-from mixloop.config import REFERENCE_END, REFERENCE_START, base_config, key_comments, markdown_reference
+from mixloop import config_reference
+from mixloop.config import base_config
+from mixloop.config_reference import REFERENCE_END, REFERENCE_START, key_comments, markdown_reference
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCS = ROOT / config_module.REFERENCE_FILE
-REGENERATE = "python -m mixloop.config --markdown --write"
+DOCS = ROOT / config_reference.REFERENCE_FILE
+REGENERATE = "python -m mixloop.config_reference --write"
 
 
 def documented_reference(text):
@@ -93,14 +95,14 @@ def test_a_key_set_other_than_by_assignment_is_refused(tmp_path):
 
 def test_write_fills_the_block_between_the_markers():
     text = f"intro\n\n{REFERENCE_START}\nstale\n{REFERENCE_END}\nafter\n"
-    assert config_module.with_reference(text, "| new |\n") == (
+    assert config_reference.with_reference(text, "| new |\n") == (
         f"intro\n\n{REFERENCE_START}\n\n| new |\n\n{REFERENCE_END}\nafter\n")
     with pytest.raises(ValueError, match="no <!-- generated"):
-        config_module.with_reference("no markers\n", "| new |\n")
+        config_reference.with_reference("no markers\n", "| new |\n")
 
 
 @pytest.mark.slow
 def test_the_command_prints_the_reference():
-    result = cli_runs.run("mixloop.config", "--markdown", cwd=ROOT)
+    result = cli_runs.run("mixloop.config_reference", cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout == markdown_reference()
