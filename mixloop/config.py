@@ -25,6 +25,11 @@ FREE_FORM_SECTIONS = ("model", "data")
 POLICIES = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
+STORAGE_DTYPES = {  # What each low-precision storage key allows.
+    "optimizer.state_dtype": ("float32", "bfloat16", "int8"),
+    "precision.master_weights": ("float32", "bfloat16"),
+    "train.accumulation_dtype": ("float32", "bfloat16"),
+}
 DISTRIBUTIONS = ("auto", "one_device", "mirrored", "multi_worker", "tpu")
 # jit_compile, precision.float32_layers and precision.initial_scale: found by a probe;
 # precision.float8_layers: every Dense and EinsumDense the float32 placement leaves in 16 bits.
@@ -75,6 +80,9 @@ def base_config() -> ml_collections.ConfigDict:
     # On a divergence in 16 bits with finite inputs, probe, move the layers found to float32, restore
     # the last checkpoint and go on; each heal counts against train.max_recoveries.
     config.precision.heal = False
+    # What the trainable weights are stored in: float32, or bfloat16 with every update rounded
+    # stochastically (keyed by the step: a resumed run is bit-identical); gradients stay float32.
+    config.precision.master_weights = "float32"
 
     config.train = ml_collections.ConfigDict()
     config.train.num_steps = 1000  # Optimizer updates to run, skipped ones included.
@@ -91,6 +99,11 @@ def base_config() -> ml_collections.ConfigDict:
     config.train.max_recoveries = 0  # On divergence, restore the last checkpoint this many times.
     # EMA of the weights over applied updates, for eval and the export; 0 disables (e.g. 0.999).
     config.train.ema_decay = 0.0
+    # What the micro-batch gradient accumulators hold: float32, or bfloat16 rounded stochastically.
+    config.train.accumulation_dtype = "float32"
+    # Regex of layer paths whose activations are recomputed in the backward pass instead of kept
+    # (less memory, one more forward of those layers); "" recomputes none.
+    config.train.recompute = ""
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.name = "adamw"  # sgd, momentum, adam or adamw.
@@ -102,6 +115,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.beta_1 = 0.9  # Adam(W).
     config.optimizer.beta_2 = 0.999  # Adam(W).
     config.optimizer.epsilon = 1e-7  # Adam(W).
+    # What Adam(W)'s moments are stored in: float32, bfloat16 (rounded stochastically) or int8
+    # (block-wise dynamic quantization, 256 values per float32 scale; small tensors stay float32).
+    config.optimizer.state_dtype = "float32"
 
     config.eval = ml_collections.ConfigDict()
     config.eval.every_steps = 500  # Evaluate every this many updates and at the end; 0: only at the end.
@@ -243,6 +259,15 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
              o.learning_rate, "a positive number")
     _require(_is_int(o.warmup_steps) and 0 <= o.warmup_steps < t.num_steps, "optimizer.warmup_steps",
              o.warmup_steps, f"an integer in [0, train.num_steps={t.num_steps})")
+    for key, allowed in STORAGE_DTYPES.items():
+        section, name = key.split(".")
+        _require(config[section][name] in allowed, key, config[section][name],
+                 f"one of {', '.join(allowed)}")
+    _require(o.state_dtype == "float32" or o.name in ("adam", "adamw"), "optimizer.state_dtype",
+             o.state_dtype, f"'float32' with optimizer.name={o.name!r}; bfloat16 and int8 moments "
+             "are for adam and adamw")
+    _require(isinstance(t.recompute, str) and compiles(t.recompute), "train.recompute", t.recompute,
+             "'' (none) or a Python regular expression over layer paths")
     _require(_is_number(o.weight_decay) and o.weight_decay >= 0, "optimizer.weight_decay",
              o.weight_decay, "a non-negative number")
     for key in ("eval.every_steps", "eval.num_batches", "checkpoint.every_steps"):
