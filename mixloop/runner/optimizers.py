@@ -1,5 +1,6 @@
 """Builds the Keras optimizer and learning-rate schedule named by `config.optimizer` (public as
-`mixloop.build_optimizer`).
+`mixloop.build_optimizer`): Keras's own, or its compact version when the optimizer state or the
+weights are stored in fewer bits.
 
 Schedules count optimizer iterations, which the train step advances once per *applied* update, so a
 skipped (non-finite) update neither moves the learning rate nor applies weight decay.
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import keras
 import ml_collections
+
+from mixloop.engine import compact_optimizer
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict, num_steps: int):
@@ -45,11 +48,25 @@ class _WarmupThenLinear(keras.optimizers.schedules.LearningRateSchedule):
                     end=self.end)
 
 
+# optimizer.name: (Keras's class, its compact version).
+_CLASSES = {
+    "sgd": (keras.optimizers.SGD, compact_optimizer.CompactSGD),
+    "momentum": (keras.optimizers.SGD, compact_optimizer.CompactSGD),
+    "adam": (keras.optimizers.Adam, compact_optimizer.CompactAdam),
+    "adamw": (keras.optimizers.AdamW, compact_optimizer.CompactAdamW),
+}
+
+
 def build_optimizer(config: ml_collections.ConfigDict, *, every_steps: int = 1
                     ) -> keras.optimizers.Optimizer:
     """The optimizer the run's `config.optimizer` names (`mixloop.build_optimizer`), with its
     learning-rate schedule and weight decay: what `Trainer.build_optimizer` returns, and what an
     objective of `Trainer.build_objectives` should get to follow the config.
+
+    Keras's own SGD, Adam or AdamW; their compact versions (`engine.compact_optimizer`: the same
+    update in float32, stored in fewer bits) when `optimizer.state_dtype` keeps Adam(W)'s moments
+    in bfloat16 or int8, or `precision.master_weights` is bfloat16 (bfloat16 weights updated by
+    stochastic rounding).
 
     The schedule runs over the updates the optimizer will apply: `config.train.num_steps` for an
     objective updated on every step, `num_steps // every_steps` for one updated every
@@ -57,13 +74,15 @@ def build_optimizer(config: ml_collections.ConfigDict, *, every_steps: int = 1
     then; pass the same `every_steps` to both.
     """
     learning_rate = learning_rate_schedule(config.optimizer, max(config.train.num_steps // every_steps, 1))
+    compact = config.optimizer.state_dtype != "float32" or config.precision.master_weights == "bfloat16"
     config = config.optimizer
+    optimizer_class = _CLASSES[config.name][compact]
     decay = config.weight_decay or None
-    if config.name == "sgd":
-        return keras.optimizers.SGD(learning_rate, weight_decay=decay)
-    if config.name == "momentum":
-        return keras.optimizers.SGD(learning_rate, momentum=config.momentum, weight_decay=decay)
-    adam_args = dict(beta_1=config.beta_1, beta_2=config.beta_2, epsilon=config.epsilon)
-    if config.name == "adam":
-        return keras.optimizers.Adam(learning_rate, weight_decay=decay, **adam_args)
-    return keras.optimizers.AdamW(learning_rate, weight_decay=config.weight_decay, **adam_args)
+    if config.name in ("sgd", "momentum"):
+        return optimizer_class(learning_rate, momentum=config.momentum if config.name == "momentum" else 0.0,
+                               weight_decay=decay)
+    if config.name == "adamw":
+        decay = config.weight_decay  # Keras's AdamW requires a number.
+    state = dict(state_dtype=config.state_dtype) if compact else {}
+    return optimizer_class(learning_rate, weight_decay=decay, beta_1=config.beta_1, beta_2=config.beta_2,
+                           epsilon=config.epsilon, **state)

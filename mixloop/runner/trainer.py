@@ -10,6 +10,7 @@ hands the outer loop between those calls (progress, evaluation, checkpoints, fau
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from typing import Any, Iterator, Optional
@@ -20,7 +21,7 @@ import tensorflow as tf
 from absl import logging
 
 from mixloop.config import ConfigError, split_auto
-from mixloop.engine import float8_layers, layer_precision
+from mixloop.engine import float8_layers, layer_precision, lighter_model
 from mixloop.engine.loss import as_losses
 from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
 from mixloop.engine.step import Batch, TrainStep, default_input_fn, forward, masked_paths
@@ -67,6 +68,7 @@ class Trainer:
             float8_line = float8_layers.describe(self.model, config.precision.float8_layers)
             if float8_line:
                 logging.info("%s", float8_line)
+            self._lighten_model()
             self.objectives = with_loss_scales(
                 self.build_objectives(),
                 lambda: precision_setup.make_loss_scale(config.precision, self.policy))
@@ -84,6 +86,7 @@ class Trainer:
                 global_step=self.state.global_step,  # The step counts its updates here.
                 batch_loss=config.train.batch_loss,
                 overflow_retries=config.precision.overflow_retries,
+                accumulation_dtype=config.train.accumulation_dtype,
             )
             self.compile_loops()
             _check_objective_variables(self.objectives, self.model)
@@ -117,6 +120,26 @@ class Trainer:
         self.checkpoints = checkpointing.make_manager(
             self._checkpoint_workdir(), config.checkpoint.max_to_keep, **self.checkpointed
         )
+
+    def _lighten_model(self) -> None:
+        """Applies `train.recompute` and `precision.master_weights` to the placed model, before
+        the optimizers see its variables (engine/lighter_model.py)."""
+        recomputed = lighter_model.recompute(self.model, self.config.train.recompute)
+        if recomputed:
+            logging.info("Activations recomputed in the backward pass (train.recompute): %s",
+                         layer_precision.shown_paths(recomputed, 6))
+        if self.config.precision.master_weights != lighter_model.BFLOAT16:
+            return
+        if self.policy.compute_dtype != tf.bfloat16:
+            raise ConfigError(
+                f"config.precision.master_weights='bfloat16' needs a policy computing in bfloat16, "
+                f"but precision.policy is {self.policy.keras_name}: set "
+                "--config.precision.policy=mixed_bfloat16, or master_weights='float32'")
+        moved = lighter_model.store_weights_in_bfloat16(self.model)
+        total = sum(math.prod(v.shape) for v in self.model.trainable_variables)
+        logging.info("Weights stored in bfloat16 (precision.master_weights): %s of %s parameters, "
+                     "each update rounded stochastically; layers computing in float32 keep float32",
+                     f"{moved:,}", f"{total:,}")
 
     # ----- What a research subclass writes. -----
 

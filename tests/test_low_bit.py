@@ -1,0 +1,296 @@
+"""Storing in fewer bits (engine/low_bit.py) and the optimizers built on it (engine/compact_optimizer.py):
+int8 round trips within the code book's bound, unbiased and reproducible stochastic rounding, Keras's
+Adam(W)/SGD numbers reproduced, low-bit state tracking float32 Adam, tiny updates kept by bfloat16
+weights, checkpoints restored bit-identically, and build_optimizer's choice."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import mixloop
+from mixloop.config import base_config
+from mixloop.engine import low_bit
+from mixloop.engine.compact_optimizer import CompactAdam, CompactAdamW, CompactSGD
+
+JIT = pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+BF16_ULP_AT_1 = 2.0**-7  # The gap between 1 and the next bfloat16.
+
+
+def quantization_input(signed):
+    """1000 values (not a multiple of 256): normal ones, an all-zero block, a block with one huge
+    value among them; squared (never negative) for the unsigned book."""
+    x = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    x[256:512] = 0.0
+    x[600] = 1e6
+    return x if signed else np.square(x)
+
+
+@JIT
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_int8_round_trip_is_the_nearest_code_within_half_the_gap_around_it(signed, jit_compile):
+    x = quantization_input(signed)
+    quantize = tf.function(lambda x: low_bit.quantize_blockwise(x, signed), jit_compile=jit_compile)
+    dequantize = tf.function(lambda c, s: low_bit.dequantize_blockwise(c, s, [1000], signed),
+                             jit_compile=jit_compile)
+    codes, scales = quantize(tf.constant(x))
+    restored = dequantize(codes, scales).numpy()
+    assert codes.dtype == tf.uint8 and codes.shape == (4, 256) and scales.shape == (4,)
+    padded = np.pad(x, (0, 24)).reshape(4, 256)
+    np.testing.assert_array_equal(scales.numpy(), np.abs(padded).max(axis=1))
+    assert scales[1] == 0.0 and np.all(restored[256:512] == 0.0)
+    assert restored[600] == x[600] == scales[2]  # A block's maximum is code 1.0 times its scale: exact.
+
+    book = low_bit.dynamic_code_book(signed)
+    scale = np.repeat(scales.numpy(), 256)[:1000]
+    normalized = np.divide(x, scale, out=np.zeros_like(x), where=scale > 0)
+    nearest = np.abs(normalized[:, None] - book[None, :]).min(axis=1) * scale
+    error = np.abs(restored - x)
+    np.testing.assert_allclose(error, nearest, rtol=1e-5, atol=1e-6 * scale.max())
+    # Half the largest gap between the code points around each value (its interval and the next ones).
+    gaps = np.diff(book)
+    below = np.clip(np.searchsorted(book, normalized) - 1, 0, len(gaps) - 1)
+    around = np.maximum.reduce([gaps[np.clip(below + k, 0, len(gaps) - 1)] for k in (-1, 0, 1)])
+    assert np.all(error <= around / 2 * scale * (1 + 1e-5))
+
+
+def test_the_dynamic_code_books_are_bitsandbytes_maps():
+    signed, unsigned = low_bit.dynamic_code_book(True), low_bit.dynamic_code_book(False)
+    for book in (signed, unsigned):
+        assert book.shape == (256,) and np.all(np.diff(book) > 0) and book[-1] == 1.0
+    assert signed[0] == pytest.approx(-(1 - 0.9 / 128)) and np.sum(signed == 0) == 1
+    assert unsigned[0] == 0.0 and unsigned[1] == pytest.approx(1e-6 * (0.1 + 0.9 / 4))
+    # Fine near zero: seven decades, the smallest nonzero magnitudes 5.5e-7 and 3.25e-7 of the block's
+    # maximum; 1, 2, 4, 8 magnitudes in each of the four decades below 1e-3.
+    assert np.min(np.abs(signed[signed != 0])) == pytest.approx(5.5e-7)
+    assert np.sum(np.abs(signed) < 1e-3) == 2 * (1 + 2 + 4 + 8) + 1
+
+
+# Traced once per compile mode and shape, the seed a tensor argument.
+ROUND = {jit: tf.function(low_bit.stochastic_round_to_bfloat16, jit_compile=jit) for jit in (False, True)}
+
+
+def rounded(x, seed, jit_compile=False):
+    return ROUND[jit_compile](tf.constant(x, tf.float32), tf.constant(seed, tf.int32))
+
+
+@JIT
+def test_stochastic_rounding_is_unbiased(jit_compile):
+    """Each value 30% (70%) of the way to its upper bfloat16 neighbour rounds up about that often, and
+    10,000 roundings (100 steps' seeds x 100 copies) average to it."""
+    values = np.array([1 + 0.3 * BF16_ULP_AT_1, -(3 + 0.7 * 2 * BF16_ULP_AT_1)], np.float32)
+    draws = np.stack([rounded(np.repeat(values[:, None], 100, axis=1), [step, 7], jit_compile)
+                      .numpy().astype(np.float32) for step in range(100)])
+    np.testing.assert_allclose(draws.mean(axis=(0, 2)), values, rtol=1e-4)
+    lower = np.array([1.0, -3.0], np.float32)
+    assert set(np.unique(draws[:, 0])) == {1.0, 1.0 + BF16_ULP_AT_1}
+    assert set(np.unique(draws[:, 1])) == {-3.0, -3.0 - 2 * BF16_ULP_AT_1}
+    np.testing.assert_allclose((draws != lower[None, :, None]).mean(axis=(0, 2)), [0.3, 0.7], atol=0.02)
+
+
+def test_stochastic_rounding_is_the_same_for_a_seed_in_both_compile_modes_and_differs_between_seeds():
+    x = np.full([1000], 1 + 0.5 * BF16_ULP_AT_1, np.float32)
+    first = rounded(x, [5, 1]).numpy()
+    np.testing.assert_array_equal(rounded(x, [5, 1]).numpy(), first)
+    np.testing.assert_array_equal(rounded(x, [5, 1], jit_compile=True).numpy(), first)
+    assert np.mean(rounded(x, [6, 1]).numpy() != first) > 0.4  # Another step: other draws.
+    assert np.mean(rounded(x, [5, 2]).numpy() != first) > 0.4  # Another variable: other draws.
+
+
+@JIT
+def test_stochastic_rounding_keeps_bfloat16_values_and_non_finite_ones_and_saturates(jit_compile):
+    bfloat16_max, float32_max = float(tf.bfloat16.max), float(np.finfo(np.float32).max)
+    exact = np.concatenate([np.random.default_rng(1).normal(size=100).astype(tf.bfloat16.as_numpy_dtype),
+                            [0.0, -0.0, bfloat16_max, -bfloat16_max, 2.0**-126]]).astype(np.float32)
+    for step in range(3):
+        same = rounded(exact, [step, 0], jit_compile).numpy().astype(np.float32)
+        np.testing.assert_array_equal(same, exact)
+    special = rounded([np.inf, -np.inf, np.nan, float32_max, -float32_max], [0, 0], jit_compile)
+    special = special.numpy().astype(np.float32)
+    np.testing.assert_array_equal(special[:2], [np.inf, -np.inf])
+    assert np.isnan(special[2])
+    np.testing.assert_array_equal(special[3:], [bfloat16_max, -bfloat16_max])
+
+
+def gradient_sequence(shapes, num_steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[tf.constant(rng.normal(size=shape).astype(np.float32)) for shape in shapes]
+            for _ in range(num_steps)]
+
+
+def run(optimizer, variables, gradients):
+    """Applies each step's gradients to `variables` (the optimizer built first, as the train step does)."""
+    optimizer.build(variables)
+    for step_gradients in gradients:
+        optimizer.apply(step_gradients, variables)
+
+
+def weight_and_bias(dtype="float32", shape=(6, 5)):
+    rng = np.random.default_rng(2)
+    return [keras.Variable(rng.normal(size=shape), dtype=dtype, name="kernel"),
+            keras.Variable(rng.normal(size=shape[-1:]), dtype=dtype, name="bias")]
+
+
+def schedule():
+    return keras.optimizers.schedules.CosineDecay(0.0, decay_steps=15, warmup_target=0.05, warmup_steps=5)
+
+
+@pytest.mark.parametrize("compact, keras_optimizer", [
+    (lambda: CompactAdam(schedule(), weight_decay=0.1),
+     lambda: keras.optimizers.Adam(schedule(), weight_decay=0.1)),
+    (lambda: CompactAdamW(schedule(), weight_decay=0.1, beta_2=0.99),
+     lambda: keras.optimizers.AdamW(schedule(), weight_decay=0.1, beta_2=0.99)),
+    (lambda: CompactSGD(schedule(), weight_decay=0.1),
+     lambda: keras.optimizers.SGD(schedule(), weight_decay=0.1)),
+    (lambda: CompactSGD(schedule(), momentum=0.9, nesterov=True, weight_decay=0.1),
+     lambda: keras.optimizers.SGD(schedule(), momentum=0.9, nesterov=True, weight_decay=0.1)),
+], ids=["adam", "adamw", "sgd", "nesterov"])
+def test_float32_state_and_weights_reproduce_keras(compact, keras_optimizer):
+    """20 steps over a warm-up and cosine schedule, with weight decay (the bias excluded from it)."""
+    gradients = gradient_sequence([(6, 5), (5,)], 20)
+    results = []
+    for optimizer in (compact(), keras_optimizer()):
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        variables = weight_and_bias()
+        run(optimizer, variables, gradients)
+        results.append(([v.numpy() for v in variables], [v.numpy() for v in optimizer.variables]))
+    (weights, state), (expected_weights, expected_state) = results
+    for value, expected in zip(weights + state, expected_weights + expected_state):
+        np.testing.assert_allclose(value, expected, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(weights[0], weight_and_bias()[0].numpy(), atol=1e-2)  # It did train.
+
+
+def least_squares_loss(optimizer, num_steps=150):
+    """The final mean squared error of a 64 x 128 linear map (8192 weights: quantized under int8)
+    and its float32-moment bias, fitted by `optimizer` in one compiled loop to noisy targets."""
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.normal(size=(256, 64)).astype(np.float32))
+    noise = 0.3 * rng.normal(size=(256, 128)).astype(np.float32)
+    y = x @ rng.normal(size=(64, 128)).astype(np.float32) + noise
+    variables = [keras.Variable(np.zeros((64, 128)), dtype="float32", name="kernel"),
+                 keras.Variable(np.zeros(128), dtype="float32", name="bias")]
+    loss_fn = lambda: tf.reduce_mean(tf.square(x @ variables[0] + variables[1] - y))  # noqa: E731
+    optimizer.build(variables)
+
+    @tf.function(jit_compile=True)
+    def train():
+        for _ in tf.range(num_steps):
+            with tf.GradientTape() as tape:
+                loss = loss_fn()
+            optimizer.apply(tape.gradient(loss, variables), variables)
+        return loss_fn()
+
+    return float(train())
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_low_bit_moments_track_float32_adam(state_dtype):
+    expected = least_squares_loss(keras.optimizers.Adam(0.05))
+    optimizer = CompactAdam(0.05, state_dtype=state_dtype)
+    loss = least_squares_loss(optimizer)
+    # From 64 at the start to near the floor, 0.067: the noise 65 parameters an output cannot fit.
+    assert expected < 0.07
+    assert loss == pytest.approx(expected, rel=0.01)
+    stored = {v.name: v.dtype for v in optimizer.variables}
+    if state_dtype == "int8":
+        assert stored["kernel_momentum_codes"] == "uint8" and stored["kernel_velocity_scales"] == "float32"
+        assert stored["bias_momentum"] == "float32"  # 128 values: too few to quantize.
+    else:
+        assert stored["kernel_momentum"] == "bfloat16" and stored["bias_velocity"] == "bfloat16"
+
+
+@pytest.mark.parametrize("compact, keras_optimizer, gradient, expected", [
+    # A weight of 1 moved by +1e-4 a step (SGD, lr 1): 100 steps add 0.01, a bfloat16 step near 1
+    # being 0.0078 (round to nearest drops each 1e-4).
+    (lambda: CompactSGD(1.0), lambda: keras.optimizers.SGD(1.0), -1e-4, 1.0 + 100 * 1e-4),
+    # No gradient, decay 1e-4 a step (AdamW, lr 1e-3, weight_decay 0.1): the decay alone.
+    (lambda: CompactAdamW(1e-3, weight_decay=0.1), lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.1),
+     0.0, (1 - 1e-4) ** 100),
+], ids=["sgd-update", "adamw-decay"])
+def test_bfloat16_weights_keep_updates_round_to_nearest_loses(compact, keras_optimizer, gradient, expected):
+    gradients = [[tf.fill([2000], gradient)]] * 100
+    weights = keras.Variable(np.ones(2000), dtype="bfloat16", name="w")
+    run(compact(), [weights], gradients)
+    assert weights.dtype == "bfloat16"
+    assert np.mean(weights.numpy().astype(np.float64)) == pytest.approx(expected, abs=2e-4)
+    nearest = keras.Variable(np.ones(2000), dtype="bfloat16", name="w")
+    run(keras_optimizer(), [nearest], gradients)
+    np.testing.assert_array_equal(nearest.numpy().astype(np.float32), 1.0)
+
+
+def compact_run(state_dtype):
+    """A bfloat16 kernel of 8192 values, a float32 bias, CompactAdamW storing `state_dtype` moments."""
+    variables = weight_and_bias(shape=(64, 128))
+    variables[0] = keras.Variable(variables[0].numpy(), dtype="bfloat16", name="kernel")
+    optimizer = CompactAdamW(1e-2, weight_decay=0.05, state_dtype=state_dtype)
+    optimizer.build(variables)
+    return variables, optimizer
+
+
+def state_of(variables, optimizer):
+    return [v.numpy() for v in variables + optimizer.variables]
+
+
+def assert_bit_identical(values, expected):
+    assert len(values) == len(expected)
+    for value, reference in zip(map(np.atleast_1d, values), map(np.atleast_1d, expected)):
+        np.testing.assert_array_equal(value.view(np.uint8), reference.view(np.uint8))
+
+
+@JIT
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_a_restored_run_continues_bit_identically(state_dtype, jit_compile, tmp_path):
+    gradients = gradient_sequence([(64, 128), (128,)], 10)
+    variables, optimizer = compact_run(state_dtype)
+    apply = tf.function(lambda g: optimizer.apply(g, variables), jit_compile=jit_compile)
+    for step_gradients in gradients[:5]:
+        apply(step_gradients)
+    path = tf.train.Checkpoint(optimizer=optimizer, variables=variables).write(str(tmp_path / "ckpt"))
+    saved = state_of(variables, optimizer)
+    for step_gradients in gradients[5:]:
+        apply(step_gradients)
+    uninterrupted = state_of(variables, optimizer)
+
+    variables, optimizer = compact_run(state_dtype)
+    tf.train.Checkpoint(optimizer=optimizer, variables=variables).read(path).assert_consumed()
+    assert_bit_identical(state_of(variables, optimizer), saved)
+    apply = tf.function(lambda g: optimizer.apply(g, variables), jit_compile=jit_compile)
+    for step_gradients in gradients[5:]:
+        apply(step_gradients)
+    assert_bit_identical(state_of(variables, optimizer), uninterrupted)
+    assert int(optimizer.iterations) == 10
+
+
+def test_a_variable_overwritten_with_its_gradient_is_left_to_keras():
+    """float8 scales: assigned their gradient, with no state, while the others are updated."""
+    scale = keras.Variable(1.0, name="scale")
+    scale.overwrite_with_gradient = True
+    weights = keras.Variable(np.ones(5000), name="w")
+    optimizer = CompactAdamW(0.1, state_dtype="int8")
+    run(optimizer, [weights, scale], [[tf.ones(5000), tf.constant(3.0)]])
+    assert float(scale.numpy()) == 3.0 and np.all(weights.numpy() < 1.0)
+    assert not any(v.name.startswith("scale") for v in optimizer.variables)
+
+
+def built_optimizer(**fields):
+    config = base_config()
+    for key, value in fields.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    return mixloop.build_optimizer(config)
+
+
+@pytest.mark.parametrize("name, cls", [("sgd", keras.optimizers.SGD), ("momentum", keras.optimizers.SGD),
+                                       ("adam", keras.optimizers.Adam), ("adamw", keras.optimizers.AdamW)])
+def test_build_optimizer_keeps_keras_for_float32_and_goes_compact_otherwise(name, cls):
+    assert type(built_optimizer(optimizer__name=name)) is cls
+    compact = {"sgd": CompactSGD, "momentum": CompactSGD, "adam": CompactAdam, "adamw": CompactAdamW}[name]
+    bfloat16_weights = built_optimizer(optimizer__name=name, precision__master_weights="bfloat16")
+    assert type(bfloat16_weights) is compact and isinstance(bfloat16_weights, cls)
+    if name == "momentum":
+        assert bfloat16_weights.momentum == pytest.approx(0.9)
+    if name.startswith("adam"):
+        assert bfloat16_weights.state_dtype == "float32"
+        int8 = built_optimizer(optimizer__name=name, optimizer__state_dtype="int8", optimizer__beta_2=0.95)
+        assert type(int8) is compact and int8.state_dtype == "int8" and int8.beta_2 == pytest.approx(0.95)
+        assert compact.from_config(int8.get_config()).state_dtype == "int8"
