@@ -56,3 +56,41 @@ def test_leave_gradients_summed_stops_keras_summing_over_replicas_again():
         apply()
         results[summed] = float(variable.numpy())
     assert results == {False: -2.0, True: -1.0}
+
+
+def test_store_as_recreates_a_layers_variable_in_bfloat16_in_place():
+    dense = keras.layers.Dense(3, dtype="mixed_bfloat16")
+    dense.build((None, 4))
+    kernel = dense.kernel
+    value = kernel.numpy()
+    keras_adapter.store_as(kernel, "bfloat16")
+    assert dense.kernel is kernel and kernel.dtype == "bfloat16"
+    assert kernel.value.dtype == tf.bfloat16  # The storage itself, not a cast on read.
+    assert (kernel.numpy().astype("float32") == value.astype("bfloat16").astype("float32")).all()
+    assert dense(tf.ones((2, 4))).dtype == tf.bfloat16
+
+
+def test_own_trainable_variables_leave_out_sublayers_and_frozen_ones():
+    attention = keras.layers.MultiHeadAttention(2, 4)
+    attention(tf.ones((1, 3, 8)), tf.ones((1, 3, 8)))
+    assert keras_adapter.own_trainable_variables(attention) == []
+    norm = keras.layers.BatchNormalization()
+    norm.build((None, 4))
+    assert [v.path for v in keras_adapter.own_trainable_variables(norm)] == [
+        norm.gamma.path, norm.beta.path]
+
+
+def test_compact_optimizers_override_kerass_weight_decay_and_variable_index():
+    """engine/compact_optimizer.py replaces `_apply_weight_decay` and calls `_use_weight_decay` and
+    `_get_variable_index`, which Keras's optimizers define and call."""
+    from mixloop.engine import compact_optimizer
+    optimizer = keras.optimizers.AdamW(weight_decay=0.1)
+    variable = keras.Variable(tf.ones((2,)))
+    optimizer.build([variable])
+    assert optimizer._use_weight_decay(variable) and optimizer._get_variable_index(variable) == 0
+    assert callable(keras.optimizers.Optimizer._apply_weight_decay)
+    compact = compact_optimizer.CompactAdamW(learning_rate=0.5, weight_decay=0.1)
+    compact.build([variable])
+    compact.apply([tf.zeros((2,))], [variable])
+    # Decay once (1 - 0.5 * 0.1 = 0.95), not twice: Keras's own decay is replaced, not added to.
+    assert abs(float(variable.numpy()[0]) - 0.95) < 1e-6

@@ -59,24 +59,30 @@ def test_recompute_regex_naming_no_layer_is_one_line():
         lighter_model.recompute(block_model(), "blocks")
 
 
-def test_bfloat16_master_weights_only_where_the_layer_computes_in_bfloat16():
+def test_bfloat16_master_weights_a_float32_layer_reads_cast_up():
     policy = Policy.from_string("mixed_bfloat16")
     with building_under(policy):
         model = block_model(dropout=0.0)
     keep_float32_layers(model, policy, "logits")
+    inputs = np.random.default_rng(0).normal(size=(2, WIDTH)).astype(np.float32)
     total = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    logits_size = sum(int(np.prod(v.shape)) for v in model.get_layer("logits").trainable_variables)
     before = [v.numpy() for v in model.trainable_variables]
-    assert lighter_model.store_weights_in_bfloat16(model) == total - logits_size
+    assert lighter_model.store_weights_in_bfloat16(model) == total
     for variable, value in zip(model.trainable_variables, before):
-        expected = "float32" if variable.path.startswith("logits") else "bfloat16"
-        assert variable.dtype == expected, variable.path
+        assert variable.dtype == "bfloat16", variable.path
         np.testing.assert_array_equal(variable.numpy().astype(np.float32),
-                                      value.astype(expected).astype(np.float32))
+                                      value.astype("bfloat16").astype(np.float32))
     # BatchNorm's moving statistics are not trained: they stay float32.
     assert {v.dtype for v in model.non_trainable_variables if "moving" in v.path} == {"float32"}
-    outputs = model(np.ones([2, WIDTH], np.float32))
-    assert outputs.dtype == tf.float32 and np.all(np.isfinite(outputs))
+    # The logits layer still computes in float32, from its weights cast up: exactly the float32
+    # product of its input with the bfloat16-stored kernel.
+    logits = model.get_layer("logits")
+    hidden = model.get_layer("block")(inputs)
+    expected = (tf.cast(hidden, tf.float32) @ tf.cast(logits.kernel.value, tf.float32)
+                + tf.cast(logits.bias.value, tf.float32))
+    outputs = model(inputs)
+    assert outputs.dtype == tf.float32
+    np.testing.assert_allclose(outputs, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_bfloat16_weights_checkpoint_and_restore():

@@ -197,3 +197,7 @@ class CompactSGD(_LowBitUpdates, keras.optimizers.SGD):
             step = m * momentum + step if self.nesterov else m
         weight = self._decayed(variable, tf.cast(variable, tf.float32), lr)
         self._store_weight(variable, weight + step)
+
+
+# The optimizers that store state in fewer bits and round bfloat16 weights stochastically.
+COMPACT_TYPES = (CompactAdam, CompactSGD)

@@ -55,3 +55,10 @@ def store_as(variable: keras.Variable, dtype: str) -> None:
 def own_trainable_variables(layer: keras.layers.Layer) -> list[keras.Variable]:
     """The trainable variables `layer` created itself (not its sublayers')."""
     return [v for v in layer._trainable_variables if v.trainable]
+
+
+def reading_variables_as(dtype: str):
+    """A context in which reading a layer's floating variable gives it cast to `dtype`: what Keras
+    enters around a mixed-precision layer's call (its `AutocastScope`), here for a layer computing
+    in float32 whose weights are stored in bfloat16."""
+    return keras.src.backend.AutocastScope(dtype)

@@ -1,11 +1,11 @@
 """The model's side of a lighter run: trainable weights stored in bfloat16, activations recomputed.
 
-`precision.master_weights="bfloat16"` stores the trainable weights of every layer computing in
-bfloat16 in bfloat16 (2 bytes instead of 4): the forward reads them as it read their autocast
-copies, the gradients still reach the optimizer in float32, and the optimizer rounds each new
-weight to bfloat16 stochastically (engine/compact_optimizer.py), so that updates smaller than
-bfloat16's spacing still move a weight in expectation (Zamirai et al. 2020). Layers computing in
-float32 (the float32 placement), FP8 layers and variables Keras overwrites keep float32.
+`precision.master_weights="bfloat16"` stores the trainable weights in bfloat16 (2 bytes instead of
+4): a layer computing in bfloat16 reads them as it read their autocast copies, one computing in
+float32 reads them cast up, the gradients still reach the optimizer in float32, and the optimizer
+rounds each new weight to bfloat16 stochastically (engine/compact_optimizer.py), so that updates
+smaller than bfloat16's spacing still move a weight in expectation (Zamirai et al. 2020). FP8
+layers and the variables Keras overwrites (their scales) keep float32.
 
 `train.recompute` names layers whose activations the backward pass recomputes instead of keeping
 (`tf.recompute_grad`): memory for one more forward of those layers.
@@ -27,18 +27,36 @@ BFLOAT16 = "bfloat16"
 
 
 def store_weights_in_bfloat16(model: keras.Model) -> int:
-    """Stores the float32 trainable variables of `model`'s layers that compute in bfloat16 in
-    bfloat16; returns how many values moved. Call it after the float32 and FP8 placements and
-    before the optimizer is built."""
+    """Stores `model`'s float32 trainable variables in bfloat16; returns how many values moved.
+
+    A layer computing in bfloat16 reads them as it read their autocast copies; a layer computing in
+    float32 (the float32 placement) reads them cast up to float32, so it still computes in float32.
+    FP8 layers and variables Keras overwrites (their scales) keep float32. Call it after the
+    float32 and FP8 placements and before the optimizer is built.
+    """
     moved = 0
     for layer in named_layers(model).values():
-        if layer.compute_dtype != BFLOAT16 or layer.quantization_mode is not None:
+        if layer.quantization_mode is not None:
             continue
-        for variable in keras_adapter.own_trainable_variables(layer):
-            if variable.dtype == "float32" and not variable.overwrite_with_gradient:
-                keras_adapter.store_as(variable, BFLOAT16)
-                moved += math.prod(variable.shape)
+        stored = [v for v in keras_adapter.own_trainable_variables(layer)
+                  if v.dtype == "float32" and not v.overwrite_with_gradient]
+        for variable in stored:
+            keras_adapter.store_as(variable, BFLOAT16)
+            moved += math.prod(variable.shape)
+        if stored and layer.compute_dtype != BFLOAT16:
+            object.__setattr__(layer, "call", _reading_weights_as(layer.call, layer.compute_dtype))
     return moved
+
+
+def _reading_weights_as(call: Callable, dtype: str) -> Callable:
+    """`call`, reading the layer's floating variables cast to `dtype`."""
+
+    @functools.wraps(call)
+    def call_reading_weights_as(*args, **kwargs):
+        with keras_adapter.reading_variables_as(dtype):
+            return call(*args, **kwargs)
+
+    return call_reading_weights_as
 
 
 def recompute(model: keras.Model, pattern: str) -> list[str]:

@@ -21,7 +21,7 @@ import tensorflow as tf
 from absl import logging
 
 from mixloop.config import ConfigError, split_auto
-from mixloop.engine import float8_layers, layer_precision, lighter_model
+from mixloop.engine import compact_optimizer, float8_layers, layer_precision, lighter_model
 from mixloop.engine.loss import as_losses
 from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
 from mixloop.engine.step import Batch, TrainStep, default_input_fn, forward, masked_paths
@@ -90,6 +90,7 @@ class Trainer:
             )
             self.compile_loops()
             _check_objective_variables(self.objectives, self.model)
+            _check_compact_optimizers(self.objectives, config)
             # Before the data and the first trace, so compute_loss and build_datasets may read it.
             self.research_state = _checked_extra_state(self.extra_state())
         with reporting.announced(f"Building the datasets ({type(self).__name__}.build_datasets)"):
@@ -138,8 +139,8 @@ class Trainer:
         moved = lighter_model.store_weights_in_bfloat16(self.model)
         total = sum(math.prod(v.shape) for v in self.model.trainable_variables)
         logging.info("Weights stored in bfloat16 (precision.master_weights): %s of %s parameters, "
-                     "each update rounded stochastically; layers computing in float32 keep float32",
-                     f"{moved:,}", f"{total:,}")
+                     "each update rounded stochastically; layers computing in float32 read them "
+                     "cast up", f"{moved:,}", f"{total:,}")
 
     # ----- What a research subclass writes. -----
 
@@ -542,6 +543,30 @@ def _check_objective_variables(objectives: dict[str, Objective], model: keras.Mo
     if untrained:
         logging.warning("No objective trains %d trainable variable(s) of the model: %s",
                         len(untrained), ", ".join(untrained[:6]))
+
+
+def _check_compact_optimizers(objectives: dict[str, Objective], config: ml_collections.ConfigDict) -> None:
+    """Every objective's optimizer stores what `optimizer.state_dtype` asks, and rounds the
+    bfloat16 weights it updates stochastically: a research `build_optimizer` returning Keras's
+    own would silently keep float32 moments, or round every small update of a bfloat16 weight away.
+
+    Raises:
+      UserError: naming the objective, its optimizer and what builds a compact one.
+    """
+    state_dtype = config.optimizer.state_dtype
+    for name, objective in objectives.items():
+        optimizer = objective.optimizer
+        bfloat16_weights = any(v.dtype == lighter_model.BFLOAT16 for v in objective.variables)
+        compact = isinstance(optimizer, compact_optimizer.COMPACT_TYPES)
+        if (state_dtype != "float32" and getattr(optimizer, "state_dtype", "float32") != state_dtype) or (
+                bfloat16_weights and not compact):
+            asked = (f"optimizer.state_dtype={state_dtype!r}" if state_dtype != "float32"
+                     else "precision.master_weights='bfloat16'")
+            raise UserError(
+                f"objective {name!r} trains with a {type(optimizer).__name__}, which cannot apply "
+                f"{asked}: build it with mixloop.build_optimizer(self.config) (adam or adamw for "
+                "int8 or bfloat16 moments; sgd and momentum too for bfloat16 weights), or use "
+                "mixloop.engine.compact_optimizer's CompactAdam, CompactAdamW or CompactSGD")
 
 
 def _checked_extra_state(state: Any) -> dict[str, Any]:
