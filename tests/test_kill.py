@@ -3,6 +3,7 @@ write) loses nothing but time. Every restart ends bit-identical to an uninterrup
 
 import glob
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -190,3 +191,48 @@ def test_sigkill_resumes_float8_training_bit_identical(tmp_path):
     histories = [value for value in state.values() if value.shape == (1024,)]  # Keras's amax length.
     assert len(histories) == 9 and all(history[0] > 0 for history in histories)  # 3 layers, trained.
     assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))
+
+
+def test_sigkill_resumes_a_lighter_run_bit_identical(tmp_path):
+    """Every lighter-run option on (issue 34): bfloat16 weights (the logits read theirs cast up
+    to float32), int8 Adam moments (the hidden kernel's 8 x 512 = 4096 values, the smallest size
+    quantized), bfloat16 accumulators over 2 micro-batches, Dense and Dropout recomputed, an EMA.
+    Killed after a checkpoint and resumed, the weights, the uint8 codes and float32 scales, the
+    other moments and the averages end as in a straight run: every stochastic rounding is keyed by
+    checkpointed counters, and the recomputed dropout redraws the forward's mask."""
+    def command(workdir):
+        # 400 quick updates, a checkpoint every 40: the kill lands long before the end.
+        return ["mixloop.train", f"--config={cli_runs.TINY_CONFIG}", f"--workdir={workdir}",
+                "--config.model.width=512", "--config.precision.policy=mixed_bfloat16",
+                "--config.precision.master_weights=bfloat16", "--config.optimizer.state_dtype=int8",
+                "--config.train.accumulation_dtype=bfloat16", "--config.train.recompute=dense|dropout",
+                "--config.train.ema_decay=0.99", "--config.train.num_steps=400",
+                "--config.train.steps_per_loop=20", "--config.train.log_every_steps=200",
+                "--config.eval.every_steps=400", "--config.checkpoint.every_steps=40",
+                "--config.jit_compile=False"]
+
+    def averages(workdir):
+        reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
+        return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+                if name.startswith("ema/")}
+
+    straight = cli_runs.run(*command(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = cli_runs.start(*command(tmp_path / "killed"), stderr=subprocess.DEVNULL)
+    wait_until_saved(killed, tmp_path / "killed", 40)
+    killed.kill()
+    killed.wait(timeout=60)
+    resumed = cli_runs.run(*command(tmp_path / "killed"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    restored = re.search(r"Restored \S+/ckpt-(\d+)", resumed.stderr)
+    assert restored and 40 <= int(restored.group(1)) < 400, resumed.stderr[-3000:]
+
+    state = final_state(tmp_path / "killed")
+    dtypes = {value.dtype.name for value in state.values()}
+    assert {"bfloat16", "uint8"} <= dtypes, dtypes
+    assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))
+    expected, actual = averages(tmp_path / "straight"), averages(tmp_path / "killed")
+    assert len(expected) == 4 and actual.keys() == expected.keys()
+    for name, value in expected.items():
+        assert value.dtype == np.float32, name
+        np.testing.assert_array_equal(actual[name], value, err_msg=name)

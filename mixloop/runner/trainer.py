@@ -563,7 +563,7 @@ def _check_compact_optimizers(objectives: dict[str, Objective], config: ml_colle
             asked = (f"optimizer.state_dtype={state_dtype!r}" if state_dtype != "float32"
                      else "precision.master_weights='bfloat16'")
             raise UserError(
-                f"objective {name!r} trains with a {type(optimizer).__name__}, which cannot apply "
+                f"objective {name!r} trains with {type(optimizer).__name__}, which cannot apply "
                 f"{asked}: build it with mixloop.build_optimizer(self.config) (adam or adamw for "
                 "int8 or bfloat16 moments; sgd and momentum too for bfloat16 weights), or use "
                 "mixloop.engine.compact_optimizer's CompactAdam, CompactAdamW or CompactSGD")
