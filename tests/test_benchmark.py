@@ -14,6 +14,7 @@ import tensorflow as tf
 import tiny_experiment
 
 from cli_runs import TINY_CONFIG
+from mixloop.runner import memory
 from mixloop.tools import benchmark
 
 
@@ -68,11 +69,25 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
     assert list(report["ratios"]) == list(benchmark.RATIOS)
     assert all(math.isfinite(r) and r > 0 for r in report["ratios"].values()), report["ratios"]
 
+    # Peak memory: --quick measures the variants that differ from the configured run in their
+    # policy alone, each in a process of its own (a TensorFlow process: hundreds of MB).
+    rows = {row["name"]: row for row in report["variants"]}
+    measured = ["mixloop", "mixloop policy=float32", "mixloop policy=mixed_bfloat16"]
+    assert [name for name, row in rows.items() if row["peak_bytes"] is not None] == measured
+    assert all(100e6 < rows[name]["peak_bytes"] < 100e9 for name in measured)
+    float16, float32, bfloat16 = (rows[name]["peak_bytes"] for name in measured)
+    assert report["memory_ratios"] == {"mixed_bfloat16/float32": round(bfloat16 / float32, 3),
+                                       "mixed_float16/float32": round(float16 / float32, 3)}
+
     table = result.stdout.splitlines()
     assert "| variant | policy | accumulation | loss scale | XLA | examples/s |" in result.stdout
+    peak_column = [line.rsplit("|", 2)[1].strip() for line in table if line.startswith("| mixloop")]
+    assert peak_column[:2] == [memory.format_bytes(float16), "n/a"]  # mixloop, accumulation_steps=1
     assert [line.split("|")[1].strip() for line in table if line.startswith("| ")][1:] == names
     assert "mixloop/keras-fit" in table[-1] and "k8/k1" in table[-1]
     assert table[-3].startswith("16-bit vs float32, each in its fastest compile mode: mixed_bfloat16 ")
+    assert ("; peak memory vs float32's, all in the configured compile mode: mixed_bfloat16 "
+            f"{bfloat16 / float32:.2f}x, mixed_float16 {float16 / float32:.2f}x") in table[-3]
     assert "jit_compile=auto picks" in table[-3]
 
 
@@ -126,6 +141,28 @@ def test_variations_change_settings_and_skip_what_the_configured_run_measures(
     float8 = [f"mixloop {'' if other == policy else f'policy={other} '}float8_layers=auto"
               for other in ("mixed_float16", "mixed_bfloat16")]
     assert names == ["mixloop", *accumulation, *expected, *float8]
+
+
+@pytest.mark.parametrize("policy, loss_scale, rows", [
+    ("mixed_float16", "dynamic", {"mixed_float16": "mixloop", "float32": "mixloop policy=float32",
+                                  "mixed_bfloat16": "mixloop policy=mixed_bfloat16"}),
+    # float16 under its dynamic scale, not the configured none.
+    ("float32", "none", {"float32": "mixloop",
+                         "mixed_float16": "mixloop policy=mixed_float16 loss_scale=dynamic",
+                         "mixed_bfloat16": "mixloop policy=mixed_bfloat16"}),
+])
+def test_memory_compares_the_variants_that_change_the_policy_alone(policy, loss_scale, rows):
+    config = tiny_experiment.get_config()
+    config.precision.policy, config.precision.loss_scale = policy, loss_scale
+    config.jit_compile = True
+    assert benchmark.policy_rows(benchmark.mixloop_configs(config)) == rows
+
+    peaks = {rows["float32"]: 400, rows["mixed_float16"]: 300, rows["mixed_bfloat16"]: 200}
+    variants = [benchmark.Variant(name, "float32", 2, "none", True, False, False, lambda: None,
+                                  peak_bytes=peaks.get(name))
+                for name in benchmark.mixloop_configs(config)]
+    assert benchmark.memory_ratios(variants, config) == {"mixed_bfloat16/float32": 0.5,
+                                                         "mixed_float16/float32": 0.75}
 
 
 def test_with_xla_off_the_variations_turn_it_on():

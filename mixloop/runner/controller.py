@@ -20,7 +20,7 @@ from absl import logging
 
 from mixloop import errors, interrupts
 from mixloop.errors import UserError
-from mixloop.runner import checkpointing, guard, reporting, train_data, workdir
+from mixloop.runner import checkpointing, guard, memory, reporting, train_data, workdir
 from mixloop.runner.actions import Action, checked_actions
 
 EMPTY_EVAL_DATA = "the eval dataset is empty: build_datasets() returned one with no batches"
@@ -42,6 +42,8 @@ class Runnable(Protocol):
 
     config: ml_collections.ConfigDict
     workdir: str
+    model: keras.Model  # Its trainable variables: the parameters the memory line counts.
+    train_step: Any  # engine.step.TrainStep: its `ema` averages, for the memory line.
     is_chief: bool  # Whether this process writes summaries, config history and the export.
     checkpoints: tf.train.CheckpointManager
     global_step: tf.Variable  # Updates made, skipped ones included.
@@ -169,6 +171,7 @@ def train(trainer: Runnable) -> dict[str, float]:
         trainer.start_precision()  # From the restored weights, before the first trace.
         # After the placement, which changes what is compiled.
         probed = trainer.choose_compile_mode()
+        logging.info("%s", memory.persistent_state(trainer).describe())  # As placed and compiled.
         metrics, reason = _run_loops(trainer, actions, stop, num_batches, compiled=probed)
         step = int(trainer.global_step.numpy())
         _save(trainer, step)
@@ -438,7 +441,7 @@ def _report_train(trainer: Runnable, writer: reporting.MetricWriter, step: int,
             objective.loss_scale.scale.numpy())
         scalars[reporting.tag("learning_rate", name, trainer.objectives)] = float(
             keras.ops.convert_to_numpy(objective.optimizer.learning_rate))
-    writer.write("train", step, scalars)
+    writer.write("train", step, {**scalars, reporting.PEAK_MEMORY_TAG: memory.peak_bytes()})
     reporting.log_progress(step, trainer.config.train.num_steps, scalars)
     return scalars
 

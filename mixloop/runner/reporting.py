@@ -57,7 +57,9 @@ def format_duration(seconds: float) -> str:
 # several); a train metric of the same name is refused.
 BUILT_IN_TRAIN_TAGS = ("loss", "loss_scale", "learning_rate", "grad_norm", "skipped_steps",
                        "skipped_total", "retries", "updates", "steps_per_sec", "examples_per_sec",
-                       "recoveries", "heals")
+                       "recoveries", "heals", "memory")
+# The peak memory so far (memory.peak_bytes), beside each progress line's scalars; not on the line.
+PEAK_MEMORY_TAG = "memory/peak_bytes"
 _SPEED_TAGS = ("steps_per_sec", "examples_per_sec")
 
 

@@ -1,5 +1,5 @@
-"""Speed: `python -m mixloop.benchmark --config=PATH[:VARIANT] [--quick] [--repeats=N] [--output=FILE.json]
-[--config.KEY=VALUE]`.
+"""Speed and peak memory: `python -m mixloop.benchmark --config=PATH[:VARIANT] [--quick]
+[--repeats=N] [--output=FILE.json] [--config.KEY=VALUE]`.
 
 Builds the experiment's Trainer once (its data, `build_model`, `compute_loss` and optimizer config) and
 times, in one process, the same optimizer updates on the same batches done several ways:
@@ -30,21 +30,30 @@ times, in one process, the same optimizer updates on the same batches done sever
     mixloop +metric  the configured run with one more train metric (the mean of the model's first
                      output: a reduction over the logits, weighted and summed like any metric)
 
+Peak memory is measured first, apart from the timing: each variant is built and trained (its warm-up
+and one repeat) in a process of its own (`memory.peak_of`), so its peak (`memory.peak_bytes`: the
+host's peak resident set size on a CPU) counts no other variant. Each such process also holds the
+configured Trainer the batches come from (the same in every row) and counts of TensorFlow's code
+only the pages it runs: its figures are a few hundred MB below a fresh process's. `--quick`
+measures only the variants that differ from the configured run in their policy (`policy_rows`).
+
 Every variant is built and warmed up first, which traces all it will run. Then the repeats run
 interleaved (A B C ... A B C ...), so a busy neighbour slows every variant alike. A repeat is
 `train.steps_per_loop` updates of `train.batch_size` examples (the same batches for every variant),
 timed with `perf_counter` until its last result is read back to the host. The table prints each
 variant's median examples/s and the median over repeats of its ratio to keras-fit and to the bare
-loop of its compile mode; then the headline: each 16-bit policy against float32, each in its fastest
-compile mode, the mode `auto` picked, and the other ratios. `--output=X.json` writes the same as
-JSON to a new file, checked before the work (`cli.check_output`), and with matplotlib a chart to X.png
-beside it (`plot`: each policy's speed in each compile mode, float32's fastest as 1.0); Ctrl-C or
-SIGTERM is one line (`mixloop.interrupts`). The benchmark needs one replica.
+loop of its compile mode, and its peak memory; then the headline: each 16-bit policy against
+float32, in speed each in its fastest compile mode, in peak memory all in the configured one, the
+mode `auto` picked, and the other ratios. `--output=X.json` writes the same as JSON to a new file,
+checked before the work (`cli.check_output`), and with matplotlib a chart to X.png beside it
+(`plot`: each policy's speed in each compile mode, float32's fastest as 1.0); Ctrl-C or SIGTERM is
+one line (`mixloop.interrupts`). The benchmark needs one replica.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -68,7 +77,7 @@ from mixloop.engine.loss import Loss, as_loss, as_losses
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.engine.step import forward
 from mixloop.errors import UserError
-from mixloop.runner import compile_mode, precision_setup
+from mixloop.runner import compile_mode, memory, precision_setup
 
 REPEATS, QUICK_REPEATS = 5, 3
 QUICK_STEPS_PER_LOOP = 5  # --quick caps train.steps_per_loop (and so the updates per repeat) at this.
@@ -107,6 +116,7 @@ class Variant:
     float8: bool  # Whether some layers train in FP8 (precision.float8_layers).
     run_fn: Callable[[], None] = dataclasses.field(repr=False)  # One repeat, finished on the device.
     seconds: list[float] = dataclasses.field(default_factory=list)
+    peak_bytes: Optional[int] = None  # Its peak memory, measured in a process of its own.
 
 
 # ----- The variants. -----
@@ -318,35 +328,39 @@ def _changed(config: ml_collections.ConfigDict, change: dict[str, Any]) -> ml_co
     return changed
 
 
-def build_variants(trainer, mixloop_configs: dict[str, ml_collections.ConfigDict],
-                   workdir: str) -> list[Variant]:
-    """keras-fit, keras-fit-tuned, bare in each compile mode (the configured one first) and the
-    mixloop variants, all on the same fixed batches."""
-    data = fixed_batches(trainer, trainer.config.train.steps_per_loop)
-    xla = trainer.config.jit_compile
+def variant_builders(trainer, mixloop_configs: dict[str, ml_collections.ConfigDict],
+                     workdir: str) -> dict[str, Callable[[], Variant]]:
+    """By name, in the table's order, what builds each variant: keras-fit, keras-fit-tuned, bare in
+    each compile mode (the configured one first) and the mixloop variants, all on the same fixed
+    batches. Built one by one on demand, so a process measuring one variant's memory builds only
+    that one."""
+    config, trainer_class = trainer.config, type(trainer)
+    data = fixed_batches(trainer, config.train.steps_per_loop)
     reason = without_keras(trainer, data)
+    builders: dict[str, Callable[[], Variant]] = {}
     if reason:
         logging.info("No keras-fit and bare variants: this experiment has %s", reason)
-        variants = []
     else:
-        variants = [keras_fit_variant(trainer, data, tuned=False),
-                    keras_fit_variant(trainer, data, tuned=True), bare_variant(trainer, data, xla)]
-        variants += [bare_variant(trainer, data, mode, name=f"bare jit_compile={mode}")
-                     for mode in _other_modes(trainer.config)]
-    for name, config in mixloop_configs.items():
-        variants.append(mixloop_variant(name, config, type(trainer), data, workdir))
-    config = trainer.config
+        for tuned in (False, True):
+            builders["keras-fit-tuned" if tuned else "keras-fit"] = functools.partial(
+                keras_fit_variant, trainer, data, tuned=tuned)
+        for mode in [config.jit_compile, *_other_modes(config)]:
+            name = "bare" if mode == config.jit_compile else f"bare jit_compile={mode}"
+            builders[name] = functools.partial(bare_variant, trainer, data, mode, name=name)
     ema_decay = 0.0 if config.train.ema_decay else EMA_DECAY
-    variants.append(mixloop_variant(f"mixloop ema_decay={ema_decay:g}",
-                                    _changed(config, {"train.ema_decay": ema_decay}),
-                                    type(trainer), data, workdir))
-    variants.append(mixloop_variant("mixloop +metric", config, _with_extra_metric(type(trainer)),
-                                    data, workdir))
     float16 = _changed(config, {"precision.policy": _float16_policy(config),
                                 "precision.loss_scale": "dynamic"})
-    variants.append(mixloop_variant(NO_RETRIES, _changed(float16, {"precision.overflow_retries": 0}),
-                                    type(trainer), data, workdir))
-    return variants
+    mixloop_runs = {
+        **{name: (changed, trainer_class) for name, changed in mixloop_configs.items()},
+        f"mixloop ema_decay={ema_decay:g}": (_changed(config, {"train.ema_decay": ema_decay}),
+                                             trainer_class),
+        "mixloop +metric": (config, _with_extra_metric(trainer_class)),
+        NO_RETRIES: (_changed(float16, {"precision.overflow_retries": 0}), trainer_class),
+    }
+    for name, (variant_config, variant_class) in mixloop_runs.items():
+        builders[name] = functools.partial(mixloop_variant, name, variant_config, variant_class,
+                                           data, workdir)
+    return builders
 
 
 def _with_extra_metric(trainer_class: type) -> type:
@@ -361,6 +375,35 @@ def _with_extra_metric(trainer_class: type) -> type:
         return losses if len(losses) > 1 else losses[first]
 
     return type(f"Metric{trainer_class.__name__}", (trainer_class,), {"compute_loss": compute_loss})
+
+
+# ----- Peak memory. -----
+
+
+def measure_peaks(config: ml_collections.ConfigDict, names: list[str]) -> dict[str, int]:
+    """Per variant of `names`, the peak memory (`memory.peak_bytes`) of a process of its own that
+    trains it (`train_one_variant`): no variant counts another's memory. Logs a line per variant."""
+    logging.info("Measuring the peak memory of %d variant(s), each in a process of its own...",
+                 len(names))
+    peaks = {}
+    for index, name in enumerate(names, 1):
+        started = time.perf_counter()
+        peaks[name] = memory.peak_of(train_one_variant, config, name)
+        logging.info("peak memory %d of %d, %s: %s (%.1f s)", index, len(names), name,
+                     memory.format_bytes(peaks[name]), time.perf_counter() - started)
+    return peaks
+
+
+def train_one_variant(config: ml_collections.ConfigDict, name: str) -> None:
+    """What the variant `name` of `config` is measured on: the Trainer its batches come from (as
+    in the timed process), the variant, its warm-up (which traces) and one repeat."""
+    logging.set_verbosity(logging.WARNING)  # The timed process has said all this already.
+    warnings.simplefilter("ignore")
+    with tempfile.TemporaryDirectory() as workdir:
+        trainer = cli.build_trainer(config, workdir)
+        variant = variant_builders(trainer, mixloop_configs(config), workdir)[name]()
+        for _ in range(2):
+            variant.run_fn()
 
 
 # ----- Timing. -----
@@ -434,6 +477,34 @@ def _ordered(a: Variant, b: Variant, *, first_is_on: bool) -> tuple[Variant, Var
     return (a, b) if first_is_on else (b, a)
 
 
+def policy_rows(configs: dict[str, ml_collections.ConfigDict]) -> dict[str, str]:
+    """Per policy of POLICIES, the mixloop variant of `configs` (`mixloop_configs`) that differs
+    from the configured run ("mixloop") in its policy alone, float16 under its dynamic scale: what
+    the memory ratios compare, and the variants --quick measures the memory of."""
+    configured = _settings(configs["mixloop"])
+    rows: dict[str, str] = {}
+    for name, variant_config in configs.items():
+        policy, k, scale, xla, batch_loss, float8 = _settings(variant_config)
+        if ((k, xla, batch_loss, float8) == (configured[1], *configured[3:])
+                and (policy != "mixed_float16" or scale == "dynamic")):
+            rows.setdefault(policy, name)
+    return rows
+
+
+def memory_ratios(variants: list[Variant], config: ml_collections.ConfigDict
+                  ) -> dict[str, Optional[float]]:
+    """For each ratio of POLICY_RATIOS, the policy's peak memory over float32's, both in the
+    configured run's compile mode and accumulation (`policy_rows`); None where a peak was not
+    measured."""
+    peaks = {v.name: v.peak_bytes for v in variants}
+    rows = policy_rows(mixloop_configs(config))
+    ratios = {}
+    for ratio in POLICY_RATIOS:
+        numerator, denominator = (peaks[rows[policy]] for policy in ratio.split("/"))
+        ratios[ratio] = numerator / denominator if numerator and denominator else None
+    return ratios
+
+
 def headline_ratios(variants: list[Variant], config: ml_collections.ConfigDict) -> dict[str, float]:
     """The ratios of RATIOS (and BATCH_LOSS_RATIO with train.batch_loss), keyed by name."""
     by_name = {v.name: v for v in variants}
@@ -490,6 +561,7 @@ def results(variants: list[Variant], config: ml_collections.ConfigDict, *, repea
                                   min=round(min(speeds), 1), max=round(max(speeds), 1)),
             vs_keras_fit=_rounded(pairwise_ratio(v, by_name.get("keras-fit"))),
             vs_bare=_rounded(pairwise_ratio(v, floor_of(v, variants))),
+            peak_bytes=v.peak_bytes,
         ))
     return dict(
         command=" ".join(["python -m mixloop.benchmark", *sys.argv[1:]]),
@@ -503,6 +575,8 @@ def results(variants: list[Variant], config: ml_collections.ConfigDict, *, repea
         variants=rows,
         auto_compile_mode=auto,
         ratios={name: _rounded(value) for name, value in headline_ratios(variants, config).items()},
+        memory_ratios={name: _rounded(value)
+                       for name, value in memory_ratios(variants, config).items()},
     )
 
 
@@ -525,15 +599,16 @@ def format_table(report: dict[str, Any]) -> str:
     """The results as a Markdown table, with a line saying what was measured and the ratios."""
     machine = report["machine"]
     summary = (f"{report['trainer']}: {report['updates_per_repeat']} updates of {report['batch_size']} "
-               f"examples per repeat, {report['repeats']} repeats interleaved, medians; "
+               f"examples per repeat, {report['repeats']} repeats interleaved, medians; peak "
+               f"memory of each variant in a process of its own (its warm-up and one repeat); "
                f"{machine['processor']}, {machine['cpu_count']} cores, TensorFlow "
                f"{machine['tensorflow']}, Keras {machine['keras']}")
     lines = [
         summary,
         "",
         "| variant | policy | accumulation | loss scale | XLA | examples/s | min–max | × keras-fit "
-        "| × bare (same mode) |",
-        "|---|---|--:|---|---|--:|--:|--:|--:|",
+        "| × bare (same mode) | peak memory |",
+        "|---|---|--:|---|---|--:|--:|--:|--:|--:|",
     ]
     for row in report["variants"]:
         speed = row["examples_per_sec"]
@@ -541,10 +616,12 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"| {row['name']} | {row['policy']} | {row['accumulation_steps']} | "
                      f"{row['loss_scale']} | {xla} | {speed['median']:.0f} | "
                      f"{speed['min']:.0f}–{speed['max']:.0f} | {_shown(row['vs_keras_fit'])} | "
-                     f"{_shown(row['vs_bare'])} |")
-    ratios = report["ratios"]
+                     f"{_shown(row['vs_bare'])} | {_shown_bytes(row['peak_bytes'])} |")
+    ratios, memory_ratio = report["ratios"], report["memory_ratios"]
     headline = ("16-bit vs float32, each in its fastest compile mode: " + ", ".join(
-        f"{name.split('/')[0]} {ratios[name]:.2f}x" for name in POLICY_RATIOS))
+        f"{name.split('/')[0]} {ratios[name]:.2f}x" for name in POLICY_RATIOS)) + (
+        "; peak memory vs float32's, all in the configured compile mode: " + ", ".join(
+            f"{name.split('/')[0]} {_shown(memory_ratio[name])}x" for name in POLICY_RATIOS))
     auto = report.get("auto_compile_mode")
     if auto:
         speeds = ", ".join(f"{speed:.0f} {compile_mode.describe(_AUTO_KEYS[key])}"
@@ -564,6 +641,11 @@ def _rounded(ratio: Optional[float]) -> Optional[float]:
 def _shown(ratio: Optional[float]) -> str:
     """A ratio as the table prints it: two decimals, or n/a for one that was not timed."""
     return "n/a" if ratio is None else f"{ratio:.2f}"
+
+
+def _shown_bytes(num_bytes: Optional[int]) -> str:
+    """A peak as the table prints it ('1.92 GB'), or n/a for one that was not measured."""
+    return "n/a" if num_bytes is None else memory.format_bytes(num_bytes)
 
 
 def write_json(report: dict[str, Any], path: str) -> None:
@@ -690,8 +772,13 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
             config = _changed(config, {"jit_compile": auto["mode"]})
             trainer.config = config
             trainer.set_jit_compile(auto["mode"])
+        configs = mixloop_configs(config)
+        builders = variant_builders(trainer, configs, workdir)
+        peaks = measure_peaks(config, list(policy_rows(configs).values() if quick else builders))
         logging.info("Building the variants (one model, and for mixloop one Trainer, each)...")
-        variants = build_variants(trainer, mixloop_configs(config), workdir)
+        variants = [build() for build in builders.values()]
+        for variant in variants:
+            variant.peak_bytes = peaks.get(variant.name)
         time_interleaved(variants, repeats,
                          examples_per_repeat=config.train.steps_per_loop * config.train.batch_size)
     return results(variants, config, repeats=repeats, quick=quick, auto=auto)
@@ -707,7 +794,8 @@ def define_flags() -> None:
     """The command's flags beside cli's --config and --workdir. Defined only when the module runs as
     a program (`python -m mixloop.benchmark`): the doctor has an --output flag too, and the tests
     import both modules."""
-    flags.DEFINE_bool("quick", False, "A smoke run: 3 repeats of at most 5 updates each.")
+    flags.DEFINE_bool("quick", False, "A smoke run: 3 repeats of at most 5 updates each; the peak "
+                      "memory of the policy variants only.")
     flags.DEFINE_integer("repeats", None, "Timed repeats of every variant (default 5, or 3 with "
                          "--quick).", lower_bound=1)
     flags.DEFINE_string("output", None, "Also write the results as JSON to this file (X.json), and "

@@ -1,0 +1,149 @@
+"""Memory: the persistent bytes per parameter by part, counted from the variables as stored; the
+peak of a process, and of a process of its own; the start line and `memory/peak_bytes` of a run."""
+
+import glob
+import os
+from types import SimpleNamespace
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tiny_experiment
+
+import cli_runs
+from cli_runs import TINY_CONFIG
+from mixloop.runner import memory
+
+# tiny_experiment's MLP: Dense(8 -> 16) and Dense(16 -> 3), weights and biases.
+TINY_PARAMETERS = 8 * 16 + 16 + 16 * 3 + 3
+
+
+def make_trainer(workdir, **overrides):
+    config = tiny_experiment.get_config()
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        config[section][field] = value
+    return tiny_experiment.TinyTrainer(config, str(workdir))
+
+
+@pytest.mark.parametrize("overrides, per_parameter", [
+    # Adam's two float32 moments; two micro-batches accumulate in float32.
+    ({"precision.policy": "float32"}, [4, 8, 4, 0]),
+    ({"precision.policy": "float32", "train.ema_decay": 0.999}, [4, 8, 4, 4]),
+    ({"precision.policy": "float32", "train.accumulation_steps": 1}, [4, 8, 0, 0]),
+    # Mixed precision keeps float32 master weights; bfloat16 accumulators take half.
+    ({"precision.policy": "mixed_bfloat16", "train.accumulation_dtype": "bfloat16"}, [4, 8, 2, 0]),
+    # SGD keeps no state, momentum one buffer.
+    ({"optimizer.name": "sgd"}, [4, 0, 4, 0]),
+    ({"optimizer.name": "momentum"}, [4, 4, 4, 0]),
+])
+def test_persistent_bytes_per_parameter_by_part(tmp_path, overrides, per_parameter):
+    state = memory.persistent_state(make_trainer(tmp_path, **overrides))
+
+    assert state.num_parameters == TINY_PARAMETERS
+    assert state.part_bytes == dict(zip(memory.PARTS, [TINY_PARAMETERS * b for b in per_parameter]))
+    assert state.total_bytes == TINY_PARAMETERS * sum(per_parameter)
+
+
+def test_the_start_line_shows_each_part_per_parameter_and_the_total():
+    state = memory.PersistentState(1_234_567, {"weights": 4 * 1_234_567,
+                                               "optimizer state": 8 * 1_234_567,
+                                               "accumulators": 4 * 1_234_567, "EMA": 0})
+    assert state.describe() == (
+        "memory: 1,234,567 parameters; persistent state 16.00 B/param (weights 4.00, optimizer "
+        "state 8.00, accumulators 4.00, EMA 0.00) = 19.8 MB")
+
+
+def test_optimizer_state_counts_each_variable_as_stored_but_not_the_scalars():
+    """An int8-quantized moment: 1 byte a code, a float32 scale per block of 250; a bfloat16
+    moment 2 bytes; the step counter and learning rate are per run, not per parameter."""
+    optimizer = SimpleNamespace(variables=[
+        keras.Variable(np.zeros([1000], np.int8)), keras.Variable(np.zeros([4], np.float32)),
+        keras.Variable(np.zeros([10, 100], "bfloat16")),
+        keras.Variable(0, dtype="int64", name="iteration"),
+        keras.Variable(1e-3, dtype="float32", name="learning_rate")])
+    objectives = {"model": SimpleNamespace(optimizer=optimizer)}
+
+    state = memory.optimizer_state(objectives)
+    assert [v.dtype for v in state] == ["int8", "float32", "bfloat16"]
+    assert memory.stored_bytes(state) == 1000 * 1 + 4 * 4 + 1000 * 2
+    assert memory.num_elements(state) == 2004
+
+
+@pytest.mark.parametrize("num_bytes, shown", [
+    (950, "950 B"), (999.6, "1.00 kB"), (3120, "3.12 kB"), (19_753_072, "19.8 MB"),
+    (99_960_000, "100 MB"), (999_600_000, "1.00 GB"), (1_920_000_000, "1.92 GB")])
+def test_bytes_are_shown_in_decimal_units_to_three_digits(num_bytes, shown):
+    assert memory.format_bytes(num_bytes) == shown
+
+
+def _allocate(num_bytes):
+    """Starts TensorFlow's runtime (which reading the peak would start after the array is gone),
+    then touches `num_bytes` of new memory (np.ones writes every page)."""
+    tf.constant(0)
+    return int(np.ones(num_bytes, np.uint8)[::4096].sum())
+
+
+MB = 1_000_000
+
+
+def test_the_peak_grows_by_what_a_process_of_its_own_allocates_and_holds_none_of_ours():
+    ballast = np.ones(600 * MB, np.uint8)  # Held here: a process of its own does not count it.
+    assert memory.peak_bytes() >= ballast.nbytes
+
+    idle, busy = memory.peak_of(_allocate, 1), memory.peak_of(_allocate, 300 * MB)
+    assert busy - idle == pytest.approx(300 * MB, abs=10 * MB)
+    assert idle < ballast.nbytes
+
+
+class _ShapeError(Exception):
+    """An exception that pickles but does not unpickle: its constructor's arguments are not its
+    `args`."""
+
+    def __init__(self, shape, dtype):
+        super().__init__(f"cannot hold {shape} values of {dtype}")
+
+
+def _fail(shape):
+    raise _ShapeError(shape, "int8")
+
+
+def test_what_a_process_of_its_own_raises_is_raised_here():
+    with pytest.raises(MemoryError, match="^Unable to allocate 1.00 EiB for an array"):
+        memory.peak_of(_allocate, 1 << 60)
+    with pytest.raises(RuntimeError, match=r"(?s)^Traceback.*_ShapeError: cannot hold \(3,\)"):
+        memory.peak_of(_fail, (3,))
+    with pytest.raises(RuntimeError, match="^the process measuring _exit ended with exit code 3 "
+                                           "before reporting its peak$"):
+        memory.peak_of(os._exit, 3)  # As the kernel's out-of-memory killer leaves it: no word.
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    result = cli_runs.run("mixloop.train", f"--config={TINY_CONFIG}", f"--workdir={workdir}",
+                          "--config.train.num_steps=20", "--config.jit_compile=False")
+    assert result.returncode == 0, result.stderr
+    return workdir, result
+
+
+def test_a_run_logs_its_persistent_state_once_at_the_start(short_run):
+    _, result = short_run
+    lines = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if "] memory: " in line]
+    # mixed_float16 keeps float32 master weights; Adam; two micro-batches in float32.
+    assert lines == [f"memory: {TINY_PARAMETERS} parameters; persistent state 16.00 B/param "
+                     f"(weights 4.00, optimizer state 8.00, accumulators 4.00, EMA 0.00) = 3.12 kB"]
+    assert result.stderr.index("] memory: ") < result.stderr.index("] step 10/20")
+
+
+def test_the_peak_is_written_to_tensorboard_at_every_progress_line(short_run):
+    workdir, _ = short_run
+    peaks = []
+    for path in glob.glob(os.path.join(workdir, "train", "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            peaks += [(event.step, float(tf.make_ndarray(value.tensor)))
+                      for value in event.summary.value if value.tag == "memory/peak_bytes"]
+    assert [step for step, _ in peaks] == [10, 20]
+    # A TensorFlow process: hundreds of MB, never less later.
+    assert 100 * MB < peaks[0][1] <= peaks[1][1] < 100_000 * MB
