@@ -183,6 +183,16 @@ def test_a_stale_lock_is_taken_over(tmp_path, caplog):
     assert not (tmp_path / ".lock").exists()
 
 
+def test_a_lock_another_run_took_over_is_neither_removed_nor_a_traceback(tmp_path):
+    other = {"pid": os.getpid() + 1, "host": os.uname().nodename}
+    with workdir.WorkdirLock(str(tmp_path)):
+        (tmp_path / ".lock").write_text(json.dumps(other))  # Deleted and taken by another run.
+    assert json.loads((tmp_path / ".lock").read_text()) == other
+    with workdir.WorkdirLock(str(tmp_path / "gone")):
+        (tmp_path / "gone" / ".lock").unlink()
+    assert not (tmp_path / "gone" / ".lock").exists()
+
+
 def test_a_changed_config_is_reported_and_kept(tmp_path, caplog):
     make_trainer(tmp_path, **{"train.num_steps": 4}).train()
     make_trainer(tmp_path, **{"train.num_steps": 8, "optimizer.learning_rate": 0.02}).train()

@@ -108,7 +108,16 @@ class WorkdirLock:
         raise UserError(f"could not take the lock {self.path}; another run is starting there")
 
     def __exit__(self, *exc_info) -> None:
-        os.remove(self.path)
+        """Releases the lock if it is still this process's: a lock someone removed (a workdir
+        deleted and started again under a run still saving) is not this run's to remove, and its
+        absence must not turn a finished run into a traceback."""
+        try:
+            with open(self.path) as f:
+                owner = json.load(f)
+            if int(owner["pid"]) == os.getpid() and owner["host"] == socket.gethostname():
+                os.remove(self.path)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # Gone or rewritten by another run: nothing of ours to release.
 
     def _clear_stale_lock(self) -> None:
         if os.path.isdir(self.path):
