@@ -19,6 +19,7 @@ import mixloop
 from mixloop.cli import import_trainer
 from mixloop.engine.objective import SINGLE
 from mixloop.errors import UserError
+from mixloop.runner.memory import PARTS, LighterOption, PersistentState
 from mixloop.tools import diagnose as diagnose_cli
 from mixloop.runner.precision_report import DtypeRange, diagnose, diagnose_objectives
 
@@ -352,6 +353,42 @@ def test_png_output_is_an_image(tmp_path, hot_report):
     assert image.imread(tmp_path / "histogram.png").shape == (720, 1200, 4)
 
 
+def state(*per_parameter, num_parameters=1_000_000):
+    """A PersistentState of `num_parameters` with these bytes per parameter by part."""
+    return PersistentState(num_parameters, {part: round(b * num_parameters)
+                                            for part, b in zip(PARTS, per_parameter)})
+
+
+def test_the_memory_section_gives_each_lighter_setting_its_flag_and_what_it_saves():
+    options = [
+        LighterOption({"precision.master_weights": "bfloat16"}, state(2, 8, 4, 0),
+                      needs={"precision.policy": "mixed_bfloat16"}),
+        LighterOption({"optimizer.state_dtype": "int8"}, state(4, 2.05, 4, 0)),
+        LighterOption({"train.accumulation_dtype": "bfloat16"}, state(4, 8, 2, 0)),
+        LighterOption({"optimizer.state_dtype": "int8", "train.accumulation_dtype": "bfloat16"},
+                      state(4, 2.05, 2, 0)),
+    ]
+    lines = diagnose_cli.format_memory(state(4, 8, 4, 0), options).splitlines()
+
+    assert lines[0].startswith("Memory: ")
+    assert "not accuracy measured" in lines[1] and lines[3].endswith("docs/memory.md.")
+    assert lines[4:] == [
+        "  memory: 1,000,000 parameters; persistent state 16.00 B/param (weights 4.00, optimizer "
+        "state 8.00, accumulators 4.00, EMA 0.00) = 16.0 MB",
+        "  --config.precision.master_weights=bfloat16: weights 4.00 -> 2.00 B/param (saves 2.00); "
+        "14.00 B/param in all = 14.0 MB; needs --config.precision.policy=mixed_bfloat16",
+        "  --config.optimizer.state_dtype=int8:        optimizer state 8.00 -> 2.05 B/param (saves "
+        "5.95); 10.05 B/param in all = 10.1 MB",
+        "  --config.train.accumulation_dtype=bfloat16: accumulators 4.00 -> 2.00 B/param (saves "
+        "2.00); 14.00 B/param in all = 14.0 MB",
+        "  all together:                               16.00 -> 8.05 B/param (saves 7.95) = 8.05 MB",
+        "  to apply:                                   --config.optimizer.state_dtype=int8 "
+        "--config.train.accumulation_dtype=bfloat16",
+    ]
+    assert diagnose_cli.format_memory(state(2, 2.05, 2, 0), []).endswith(
+        "= 6.05 MB\n  nothing lighter: every storage setting this run can take is on")
+
+
 def run_cli(*args):
     return cli_runs.run("mixloop.diagnose", *args)
 
@@ -367,6 +404,12 @@ def test_cli_diagnoses_the_latest_checkpoint_and_leaves_the_workdir(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "Precision report: tiny_experiment.TinyTrainer at step 10" in result.stdout
     assert "Problems:\n  none" in result.stdout
+    # The memory section closes the output: mixed_float16, Adam, two micro-batches.
+    memory_section = result.stdout[result.stdout.index("\n\nMemory: "):]
+    assert ("  memory: 195 parameters; persistent state 16.00 B/param (weights 4.00, optimizer "
+            "state 8.00, accumulators 4.00, EMA 0.00) = 3.12 kB") in memory_section
+    assert ("  to apply:                                   --config.optimizer.state_dtype=bfloat16 "
+            "--config.train.accumulation_dtype=bfloat16\n") in memory_section
     assert json.loads((output / "report.json").read_text())["step"] == 10
     assert cli_runs.snapshot(workdir) == before
 

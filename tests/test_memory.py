@@ -147,3 +147,69 @@ def test_the_peak_is_written_to_tensorboard_at_every_progress_line(short_run):
     assert [step for step, _ in peaks] == [10, 20]
     # A TensorFlow process: hundreds of MB, never less later.
     assert 100 * MB < peaks[0][1] <= peaks[1][1] < 100_000 * MB
+
+
+# tiny_experiment 512 wide: Dense(8 -> 512)'s kernel, 4,096 values, is the one tensor that int8
+# moments quantize; the other 512 + 512 * 3 + 3 values keep float32 moments.
+WIDE = {"model.width": 512}
+WIDE_PARAMETERS = 8 * 512 + 512 + 512 * 3 + 3
+INT8_MOMENTS = 2 * (4096 * 1 + 4096 // 256 * 4) + 2 * (512 + 512 * 3 + 3) * 4  # Codes, scales; float32.
+
+
+def settings_of(options):
+    return [option.settings for option in options]
+
+
+def test_each_lighter_setting_is_counted_from_the_variables_shapes(tmp_path):
+    trainer = make_trainer(tmp_path, **{"precision.policy": "float32", **WIDE})  # Adam, 2 micro-batches.
+    options = memory.lighter_options(trainer)
+
+    assert settings_of(options) == [
+        {"precision.master_weights": "bfloat16"}, {"optimizer.state_dtype": "bfloat16"},
+        {"optimizer.state_dtype": "int8"}, {"train.accumulation_dtype": "bfloat16"},
+        # int8 moments weigh more than bfloat16 ones here, most values being in small tensors.
+        {"optimizer.state_dtype": "bfloat16", "train.accumulation_dtype": "bfloat16"}]
+    master, bfloat16, int8, accumulation, together = options
+    parts = lambda option: list(option.state.part_bytes.values())
+    P = WIDE_PARAMETERS
+    assert master.needs == {"precision.policy": "mixed_bfloat16"}  # float32 computes in float32.
+    assert parts(master) == [2 * P, 8 * P, 4 * P, 0]
+    assert parts(bfloat16) == [4 * P, 4 * P, 4 * P, 0] and not bfloat16.needs
+    assert parts(int8) == [4 * P, INT8_MOMENTS, 4 * P, 0] == [4 * P, 24_728, 4 * P, 0]
+    assert parts(accumulation) == [4 * P, 8 * P, 2 * P, 0]
+    assert parts(together) == [4 * P, 4 * P, 2 * P, 0] and not together.needs
+    assert all(option.state.num_parameters == P for option in options)
+
+
+@pytest.mark.parametrize("overrides, settings", [
+    # SGD has no moments; master weights need a bfloat16 policy; one setting alone is no "together".
+    ({"optimizer.name": "sgd"}, [{"precision.master_weights": "bfloat16"},
+                                 {"train.accumulation_dtype": "bfloat16"}]),
+    # One micro-batch keeps no accumulators; every tensor of 16 wide is under 4,096 values, so int8
+    # saves nothing.
+    ({"train.accumulation_steps": 1, "precision.policy": "mixed_bfloat16"},
+     [{"precision.master_weights": "bfloat16"}, {"optimizer.state_dtype": "bfloat16"},
+      {"precision.master_weights": "bfloat16", "optimizer.state_dtype": "bfloat16"}]),
+])
+def test_only_the_settings_that_make_a_run_lighter_are_listed(tmp_path, overrides, settings):
+    options = memory.lighter_options(make_trainer(tmp_path, **overrides))
+    assert settings_of(options) == settings
+    assert not any(option.needs for option in options[1:])
+
+
+@pytest.mark.parametrize("option_index", [2, 4], ids=["int8", "together"])
+def test_a_run_built_with_a_lighter_setting_keeps_what_it_was_counted_to(tmp_path, option_index):
+    overrides = {"precision.policy": "mixed_bfloat16", **WIDE}
+    option = memory.lighter_options(make_trainer(tmp_path / "now", **overrides))[option_index]
+    lighter = make_trainer(tmp_path / "lighter", **overrides, **option.settings)
+
+    assert memory.persistent_state(lighter) == option.state
+    # int8 moments weigh more than bfloat16 ones here: all together leaves nothing lighter, and
+    # bfloat16 moments are lighter than int8 ones.
+    assert settings_of(memory.lighter_options(lighter)) == (
+        [] if option_index == 4 else [{"precision.master_weights": "bfloat16"},
+                                      {"optimizer.state_dtype": "bfloat16"},
+                                      {"train.accumulation_dtype": "bfloat16"},
+                                      {"precision.master_weights": "bfloat16",
+                                       "optimizer.state_dtype": "bfloat16",
+                                       "train.accumulation_dtype": "bfloat16"}])

@@ -35,17 +35,25 @@ def store_weights_in_bfloat16(model: keras.Model) -> int:
     float32 and FP8 placements and before the optimizer is built.
     """
     moved = 0
-    for layer in named_layers(model).values():
-        if layer.quantization_mode is not None:
-            continue
-        stored = [v for v in keras_adapter.own_trainable_variables(layer)
-                  if v.dtype == "float32" and not v.overwrite_with_gradient]
+    for layer, stored in bfloat16_storable(model).items():
         for variable in stored:
             keras_adapter.store_as(variable, BFLOAT16)
             moved += math.prod(variable.shape)
-        if stored and layer.compute_dtype != BFLOAT16:
+        if layer.compute_dtype != BFLOAT16:
             object.__setattr__(layer, "call", _reading_weights_as(layer.call, layer.compute_dtype))
     return moved
+
+
+def bfloat16_storable(model: keras.Model) -> dict[keras.layers.Layer, list]:
+    """Per layer, the variables `store_weights_in_bfloat16` stores in bfloat16: its own float32
+    trainable ones, outside FP8 layers, but for those Keras overwrites (their scales)."""
+    found = {}
+    for layer in named_layers(model).values():
+        stored = [v for v in keras_adapter.own_trainable_variables(layer)
+                  if v.dtype == "float32" and not v.overwrite_with_gradient]
+        if stored and layer.quantization_mode is None:
+            found[layer] = stored
+    return found
 
 
 def _reading_weights_as(call: Callable, dtype: str) -> Callable:

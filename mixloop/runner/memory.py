@@ -5,8 +5,9 @@ Persistent state lives for the whole run, whatever the batch: the weights, the o
 the gradient accumulators of `train.accumulation_steps` > 1 and the EMA's averages. Each part is
 counted from its variables as they are stored (a float32 value 4 bytes, a bfloat16 one 2, an int8
 code 1), over the model's trainable parameters: float32 Adam with two micro-batches keeps
-4 + 8 + 4 = 16 bytes per parameter before a single activation. The peak (`peak_bytes`) adds the
-rest: activations, workspaces, compiled code, the runtime itself.
+4 + 8 + 4 = 16 bytes per parameter before a single activation. `lighter_options` counts, from the
+same variables' shapes, what each lighter storage setting would keep instead (docs/memory.md). The
+peak (`peak_bytes`) adds the rest: activations, workspaces, compiled code, the runtime itself.
 """
 
 from __future__ import annotations
@@ -21,11 +22,21 @@ import sys
 import traceback
 from typing import Any, Callable, Iterable
 
+import keras
 import tensorflow as tf
+
+from mixloop.engine import lighter_model, low_bit
+from mixloop.engine.compact_optimizer import MIN_QUANTIZED_SIZE
 
 PARTS = ("weights", "optimizer state", "accumulators", "EMA")  # In the order the line shows them.
 _ACCELERATORS = ("GPU", "TPU")
 _UNITS = ("B", "kB", "MB", "GB", "TB")
+# The lighter storage settings, each with the part of PARTS it lightens.
+LIGHTER_PARTS = {"precision.master_weights": "weights", "optimizer.state_dtype": "optimizer state",
+                 "train.accumulation_dtype": "accumulators"}
+_LOW_BIT_STATE_DTYPES = ("bfloat16", "int8")  # optimizer.state_dtype's lighter values.
+_ADAM_NAMES = ("adam", "adamw")  # The optimizer.name values state_dtype allows (config.validate).
+_BFLOAT16 = "bfloat16"
 
 
 def peak_bytes() -> int:
@@ -91,6 +102,102 @@ def persistent_state(trainer: Any) -> PersistentState:
         "accumulators": num_elements(accumulated) * tf.as_dtype(train.accumulation_dtype).size,
         "EMA": stored_bytes(averages),
     })
+
+
+@dataclasses.dataclass(frozen=True)
+class LighterOption:
+    """Lighter storage settings and the persistent state a run would keep with them.
+
+    `needs` holds the settings the run must change first for these to be accepted (bfloat16 master
+    weights need a policy computing in bfloat16); `state` assumes they are changed."""
+
+    settings: dict[str, str]  # Config key -> value, e.g. {"optimizer.state_dtype": "int8"}.
+    state: PersistentState
+    needs: dict[str, str] = dataclasses.field(default_factory=dict)  # Config key -> value.
+
+
+def lighter_options(trainer: Any) -> list[LighterOption]:
+    """What each lighter storage setting a built Trainer does not use yet would make its persistent
+    state (`persistent_state`'s parts), counted from its variables' shapes; then, when two or more
+    settings apply without `needs`, all of them together (int8 or bfloat16 moments, the lighter).
+
+    The settings, each listed only where it makes the state lighter:
+      precision.master_weights=bfloat16: the float32 trainable weights that
+        `engine.lighter_model.store_weights_in_bfloat16` moves (not FP8 layers', not the variables
+        Keras overwrites) take 2 bytes; it needs a policy computing in bfloat16.
+      optimizer.state_dtype=bfloat16, =int8: with optimizer.name adam or adamw, each Adam(W)
+        optimizer's two moments per variable as `engine.compact_optimizer.CompactAdam` stores them:
+        2 bytes a value in bfloat16; in int8 one uint8 code a value padded to whole blocks of
+        `low_bit.BLOCK_SIZE` plus a float32 scale a block, but 4 bytes a value for tensors under
+        `MIN_QUANTIZED_SIZE` values.
+      train.accumulation_dtype=bfloat16: with accumulation_steps > 1, 2 bytes an accumulated value.
+    Bytes only: what the settings do to the loss is not measured here.
+    """
+    current = persistent_state(trainer)
+    config = trainer.config
+    options = []
+    if config.precision.master_weights != _BFLOAT16:
+        needs = {} if trainer.policy.compute_dtype == tf.bfloat16 else {
+            "precision.policy": "mixed_bfloat16"}
+        weights = current.part_bytes["weights"] - 2 * num_elements(
+            [v for stored in lighter_model.bfloat16_storable(trainer.model).values() for v in stored])
+        options.append(_lightened(current, "precision.master_weights", _BFLOAT16, weights, needs))
+    adam = {name: isinstance(o.optimizer, keras.optimizers.Adam) for name, o in trainer.objectives.items()}
+    if any(adam.values()) and config.optimizer.name in _ADAM_NAMES:
+        others = {name: o for name, o in trainer.objectives.items() if not adam[name]}
+        for dtype in [d for d in _LOW_BIT_STATE_DTYPES if d != config.optimizer.state_dtype]:
+            moments = sum(_moment_bytes(v, dtype) for name, o in trainer.objectives.items()
+                          if adam[name] for v in o.variables)
+            options.append(_lightened(current, "optimizer.state_dtype", dtype,
+                                      stored_bytes(optimizer_state(others)) + 2 * moments))
+    if config.train.accumulation_steps > 1 and config.train.accumulation_dtype != _BFLOAT16:
+        accumulated = [v for objective in trainer.objectives.values() for v in objective.variables]
+        options.append(_lightened(current, "train.accumulation_dtype", _BFLOAT16,
+                                  num_elements(accumulated) * 2))
+    # int8 moments save nothing where every tensor is under MIN_QUANTIZED_SIZE values, and weigh
+    # more than bfloat16 ones where most values are in such tensors.
+    options = [option for option in options if option.state.total_bytes < current.total_bytes]
+    return options + _together(options)
+
+
+def _lightened(current: PersistentState, key: str, value: str, part_bytes: int,
+               needs: dict[str, str] | None = None) -> LighterOption:
+    """The option `key`=`value`, which makes the part it lightens `part_bytes` bytes."""
+    state = dataclasses.replace(current, part_bytes={**current.part_bytes, LIGHTER_PARTS[key]: part_bytes})
+    return LighterOption({key: value}, state, needs or {})
+
+
+def _together(options: list[LighterOption]) -> list[LighterOption]:
+    """The lightest option of each setting that needs nothing more, together, when there are two or
+    more: each lightens a part of its own, so each part is its lightest option's."""
+    lightest: dict[str, LighterOption] = {}
+    for option in options:
+        [key] = option.settings
+        if not option.needs and (key not in lightest
+                                 or option.state.total_bytes < lightest[key].state.total_bytes):
+            lightest[key] = option
+    if len(lightest) < 2:
+        return []
+    chosen = list(lightest.values())
+    first = chosen[0].state
+    return [LighterOption(
+        {key: value for option in chosen for key, value in option.settings.items()},
+        dataclasses.replace(first, part_bytes={part: min(o.state.part_bytes[part] for o in chosen)
+                                               for part in first.part_bytes}))]
+
+
+def _moment_bytes(variable: Any, state_dtype: str) -> int:
+    """The bytes of one Adam moment of `variable` as `CompactAdam` stores it in `state_dtype`;
+    none for a variable Keras overwrites, which has no moments."""
+    if getattr(variable, "overwrite_with_gradient", False):
+        return 0
+    size = math.prod(variable.shape)
+    if state_dtype != "int8":
+        return size * tf.as_dtype(state_dtype).size
+    if size < MIN_QUANTIZED_SIZE:
+        return size * 4  # A small tensor keeps float32 moments.
+    blocks = low_bit.num_blocks(size)
+    return blocks * low_bit.BLOCK_SIZE + blocks * 4  # A uint8 code a value; a float32 scale a block.
 
 
 def optimizer_state(objectives: dict[str, Any]) -> list:

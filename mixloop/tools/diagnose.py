@@ -3,12 +3,14 @@
 
 Builds the experiment's Trainer as `mixloop.train` does, restores the workdir's latest checkpoint if
 there is one (and writes nothing there), diagnoses each of its objectives (or only --objective) on
-the same next N train batches with `mixloop.runner.precision_report`, and prints one report per objective.
-With --output it also writes, into that directory (with several objectives, into its subdirectory
-named for the objective), `report.json`, TensorBoard histograms of the gradients' log2 magnitudes,
-and `gradient_histogram.png` (when matplotlib is installed: `pip install -e '.[plot]'`), after
-checking before the work that it can (`cli.check_output`). Any problem with the input is one line on
-stderr and exit status 2; Ctrl-C or SIGTERM is one line too (`mixloop.interrupts`).
+the same next N train batches with `mixloop.runner.precision_report`, and prints one report per
+objective, then what the run's persistent state weighs and would weigh with each lighter storage
+setting (`mixloop.runner.memory.lighter_options`). With --output it also writes, into that directory
+(with several objectives, into its subdirectory named for the objective), `report.json`, TensorBoard
+histograms of the gradients' log2 magnitudes, and `gradient_histogram.png` (when matplotlib is
+installed: `pip install -e '.[plot]'`), after checking before the work that it can
+(`cli.check_output`). Any problem with the input is one line on stderr and exit status 2; Ctrl-C or
+SIGTERM is one line too (`mixloop.interrupts`).
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from tensorboard.plugins.histogram import metadata as histogram_metadata
 
 from mixloop import cli
 from mixloop.config import DEFAULT_INITIAL_SCALE
-from mixloop.runner import auto_precision
+from mixloop.engine.compact_optimizer import MIN_QUANTIZED_SIZE
+from mixloop.runner import auto_precision, memory
+from mixloop.runner.memory import LIGHTER_PARTS, LighterOption, PersistentState, format_bytes
 from mixloop.runner.float8_report import FLUSH_TOLERANCE, Float8Advice, Float8Report
 from mixloop.runner.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, NOISE_SCALE,
                                              DtypeRange, PrecisionReport, VariableReport,
                                              diagnose_objectives,
                                              write_json)
+from mixloop.runner.trainer import Trainer  # Loaded already (auto_precision's controller uses it).
 
 _STEPS = flags.DEFINE_integer("steps", 4, "Train batches to diagnose.", lower_bound=1)
 _OUTPUT = flags.DEFINE_string(
@@ -51,18 +56,33 @@ flags.register_validator(
 
 def diagnose_experiment(config, workdir: str, num_batches: int, loss_scale: Optional[float] = None,
                         objective: Optional[str] = None) -> list[PrecisionReport]:
-    """Validates `config`, builds its Trainer, restores `workdir`'s latest checkpoint if any (and
-    the layer placement its config.json records, as a resumed run does), and diagnoses `objective` (by default every objective, in turn) on the same `num_batches` train
-    batches; one report per objective. Writes nothing.
+    """Diagnoses `objective` (by default every objective, in turn) of `restored_trainer(config,
+    workdir)` on the same `num_batches` train batches; one report per objective. Writes nothing.
 
     Raises:
       UserError: for a bad config, a checkpoint that does not fit, an unknown objective, or what
         `diagnose` refuses.
     """
+    return diagnose_trainer(restored_trainer(config, workdir), num_batches, loss_scale, objective)
+
+
+def restored_trainer(config, workdir: str) -> Trainer:
+    """Validates `config`, builds its Trainer, and restores `workdir`'s latest checkpoint if any
+    (and the layer placement its config.json records, as a resumed run does). Writes nothing.
+
+    Raises:
+      UserError: for a bad config or a checkpoint that does not fit.
+    """
     trainer = cli.build_trainer(config, workdir)
     checkpoint = trainer.restore()
     auto_precision.apply_recorded(trainer)  # The run's placement, when `auto` or a heal chose it.
     logging.info("Diagnosing %s", checkpoint or f"the initial weights (no checkpoint in {workdir})")
+    return trainer
+
+
+def diagnose_trainer(trainer: Trainer, num_batches: int, loss_scale: Optional[float] = None,
+                     objective: Optional[str] = None) -> list[PrecisionReport]:
+    """`diagnose_experiment` on a built Trainer."""
     names = list(trainer.objectives) if objective is None else [objective]
     return diagnose_objectives(trainer, names, num_batches, loss_scale)
 
@@ -267,6 +287,60 @@ def _scale_text(scale: float) -> str:
     return f"2^{exponent:.0f} = {scale:g}" if exponent.is_integer() else f"{scale:g}"
 
 
+# ----- The memory section. -----
+
+
+def format_memory(current: PersistentState, options: list[LighterOption]) -> str:
+    """The run's persistent state (its start line) and what each lighter storage setting would make
+    it, as console text: one line a setting, then all of them together and the flags to apply."""
+    lines = ["Memory: the persistent state, and what each lighter storage setting would make it.",
+             *textwrap.wrap(
+                 "Bytes counted from the variables' shapes, not accuracy measured: the doctor does not "
+                 f"train with these settings. int8 moments keep float32 for tensors under "
+                 f"{MIN_QUANTIZED_SIZE:,} values. What each costs and how it keeps float32's results: "
+                 "docs/memory.md.", width=100),
+             f"  {current.describe()}"]
+    single = [option for option in options if len(option.settings) == 1]
+    together = [option for option in options if len(option.settings) > 1]
+    width = max([len(_flags(option.settings)) + 1 for option in single], default=0)
+    lines += [f"  {_flags(option.settings) + ':':<{width}} {_saving_text(current, option)}"
+              for option in single]
+    for option in together:
+        lines += [f"  {'all together:':<{width}} {_total_text(current, option.state)}",
+                  f"  {'to apply:':<{width}} {_flags(option.settings)}"]
+    if not options:
+        lines.append("  nothing lighter: every storage setting this run can take is on")
+    return "\n".join(lines)
+
+
+def _saving_text(current: PersistentState, option: LighterOption) -> str:
+    """'optimizer state 8.00 -> 2.05 B/param (saves 5.95); 10.05 B/param in all = 1.23 MB', and
+    the settings it needs first."""
+    [key] = option.settings
+    part = LIGHTER_PARTS[key]
+    before, after = current.per_parameter()[part], option.state.per_parameter()[part]
+    text = (f"{part} {before:.2f} -> {after:.2f} B/param (saves {before - after:.2f}); "
+            f"{_per_parameter(option.state):.2f} B/param in all = {format_bytes(option.state.total_bytes)}")
+    if option.needs:
+        text += f"; needs {_flags(option.needs)}"
+    return text
+
+
+def _total_text(current: PersistentState, state: PersistentState) -> str:
+    """'16.00 -> 6.05 B/param (saves 9.95) = 1.23 MB'."""
+    before, after = _per_parameter(current), _per_parameter(state)
+    return (f"{before:.2f} -> {after:.2f} B/param (saves {before - after:.2f}) = "
+            f"{format_bytes(state.total_bytes)}")
+
+
+def _per_parameter(state: PersistentState) -> float:
+    return sum(state.per_parameter().values())
+
+
+def _flags(settings: dict[str, str]) -> str:
+    return " ".join(shlex.quote(f"--config.{key}={value}") for key, value in settings.items())
+
+
 # ----- Files: JSON, TensorBoard, PNG. -----
 
 
@@ -361,8 +435,10 @@ def main() -> None:
     config, workdir = cli.experiment_from_flags()
     if _OUTPUT.value:
         cli.check_output(_OUTPUT.value, folder=True)  # Before the work, not after it.
-    reports = diagnose_experiment(config, workdir, _STEPS.value, _LOSS_SCALE.value, _OBJECTIVE.value)
-    print("\n\n".join(format_report(report) for report in reports))
+    trainer = restored_trainer(config, workdir)
+    reports = diagnose_trainer(trainer, _STEPS.value, _LOSS_SCALE.value, _OBJECTIVE.value)
+    memory_text = format_memory(memory.persistent_state(trainer), memory.lighter_options(trainer))
+    print("\n\n".join([*(format_report(report) for report in reports), memory_text]))
     if _OUTPUT.value:
         for report in reports:
             written = write_outputs(report, output_directory(report, _OUTPUT.value))
