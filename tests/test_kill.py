@@ -16,10 +16,14 @@ import tensorflow as tf
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FAULTY_CONFIG = os.path.join(TESTS_DIR, "faulty_experiment.py")
-# Slow enough steps and checkpoints to be hit mid-way: 8 MB of ballast per checkpoint.
+# Slow enough steps and checkpoints to be hit mid-way: 8 MB of ballast per checkpoint. Without XLA
+# and without the float16 probes (fixed placement and scale): each of the file's 8 runs starts in
+# seconds instead of paying an XLA compile and a probe that kills and resumes do not depend on
+# (tests/test_compile_mode.py and tests/test_auto_precision.py resume those).
 RUN_FLAGS = ["--config.train.num_steps=240", "--config.model.width=64", "--config.model.depth=3",
              "--config.checkpoint.every_steps=40", "--config.model.ballast=2000000",
-             "--config.train.log_every_steps=8"]
+             "--config.train.log_every_steps=8", "--config.jit_compile=False",
+             "--config.precision.float32_layers=", "--config.precision.initial_scale=32768"]
 
 pytestmark = pytest.mark.slow
 
@@ -152,10 +156,11 @@ def test_sigkill_keeps_the_cadence_of_an_objective_every_5_steps(tmp_path):
     repo = os.path.dirname(TESTS_DIR)
 
     def command(workdir):
-        # Without XLA: the cadence does not depend on the compile mode, and the runs start in 12 s
-        # instead of 17 (XLA compiles the penalty's double backward).
+        # Without XLA and the float16 probes: the cadence depends on neither, and each run starts
+        # without an XLA compile of the penalty's double backward or a probe (half a run's time).
         return ["mixloop.train", "--config=experiments/wgan_gp_digits.py:quick",
-                f"--workdir={workdir}", "--config.checkpoint.every_steps=48", "--config.jit_compile=False"]
+                f"--workdir={workdir}", "--config.checkpoint.every_steps=48", "--config.jit_compile=False",
+                "--config.precision.float32_layers=", "--config.precision.initial_scale=16384"]
 
     straight = cli_runs.run(*command(tmp_path / "straight"), cwd=repo)
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -175,8 +180,10 @@ def test_sigkill_resumes_float8_training_bit_identical(tmp_path):
     """Keras's float8 layers in mixed_float16 (tests/float8_experiment.py): killed after the
     checkpoint of step 10 and resumed, every scale and amax history ends as in a straight run."""
     def command(workdir):
+        # Without the float16 probes, which the float8 state does not depend on.
         return ["mixloop.train", f"--config={os.path.join(TESTS_DIR, 'float8_experiment.py')}:quick",
-                f"--workdir={workdir}", "--config.jit_compile=False"]
+                f"--workdir={workdir}", "--config.jit_compile=False",
+                "--config.precision.float32_layers=", "--config.precision.initial_scale=32768"]
 
     straight = cli_runs.run(*command(tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
