@@ -88,19 +88,22 @@ def import_trainer(path: str) -> type:
 
 
 def build_trainer(config: ml_collections.ConfigDict, workdir: str):
-    """Validates `config` and builds the Trainer it names, working in `workdir`.
+    """Validates `config` (its warm-up fitted to its length) and builds the Trainer it names,
+    working in `workdir`."""
+    fit_warmup(config)
+    validate(config)
+    return import_trainer(config.trainer)(config, workdir)
 
-    A run shortened from the command line below its warm-up gets a warm-up of a tenth of its
-    updates, with a notice, rather than an error.
-    """
+
+def fit_warmup(config: ml_collections.ConfigDict) -> None:
+    """A run shortened from the command line below its warm-up gets a warm-up of a tenth of its
+    updates, with a notice, rather than an error."""
     optimizer, num_steps = config.optimizer, config.train.num_steps
     if isinstance(num_steps, int) and isinstance(optimizer.warmup_steps, int) and \
             0 < num_steps <= optimizer.warmup_steps:
         logging.warning("optimizer.warmup_steps=%d does not fit train.num_steps=%d: warming up over "
                         "%d updates instead", optimizer.warmup_steps, num_steps, num_steps // 10)
         optimizer.warmup_steps = num_steps // 10
-    validate(config)
-    return import_trainer(config.trainer)(config, workdir)
 
 
 def check_output(path: str, *, folder: bool) -> None:

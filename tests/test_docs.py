@@ -37,6 +37,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from mixloop.cli import fit_warmup
 from mixloop.config import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,7 +204,9 @@ def mixloop_command_errors(tool: str, arguments: list[str]) -> list[str]:
             errors.append(f"mixloop.{tool} has no flag {argument}")
     config_arguments = [a for a in arguments if a.startswith("--config")]
     try:
-        validate(parse_config(config_arguments))
+        config = parse_config(config_arguments)
+        fit_warmup(config)  # As the command does before validating.
+        validate(config)
     except Exception as error:  # Any failure to parse or validate is the finding.
         errors.append(f"{type(error).__name__}: {' '.join(str(error).split())}")
     return errors
