@@ -4,6 +4,8 @@ leaves exactly as a run configured in the chosen mode."""
 import collections
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -159,6 +161,35 @@ def test_elementwise_mode_fuses_with_xla_and_leaves_the_matrix_products_to_tenso
     assert sum(count for op, count in ops.items() if "MatMul" in op) > 0
 
 
+# Prints the clusters the elementwise step calls and the BiasAddGrad ops left outside them.
+ELEMENTWISE_OPS = """
+import collections, tempfile
+import tiny_experiment  # Imports mixloop, which sets TF_XLA_FLAGS before TensorFlow's runtime starts.
+from tensorflow.python.eager import context
+config = tiny_experiment.get_config()
+config.jit_compile = "elementwise"
+trainer = tiny_experiment.TinyTrainer(config, tempfile.mkdtemp())
+context.enable_run_metadata()
+trainer.train_loop(2)
+ops = collections.Counter(node.op for graph in context.export_run_metadata().function_graphs
+                          for node in graph.post_optimization_graph.node)
+print(ops["_XlaRun"], ops["BiasAddGrad"])
+"""
+
+
+def test_elementwise_mode_leaves_the_gradient_reductions_to_tensorflow():
+    """Clustered together, the layers' gradient reductions kept every layer's gradient alive to the
+    end of the backward pass (compile_mode.CLUSTERED_OPS). In a process of its own: TensorFlow reads
+    TF_XLA_FLAGS once, when its runtime starts, which conftest.py does before mixloop is imported,
+    so this process clusters with TensorFlow's defaults."""
+    env = {name: value for name, value in os.environ.items() if name != "TF_XLA_FLAGS"}
+    result = subprocess.run([sys.executable, "-c", ELEMENTWISE_OPS], cwd=os.path.dirname(__file__),
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    num_clusters, num_bias_gradients = map(int, result.stdout.split())
+    assert num_clusters > 0 and num_bias_gradients > 0
+
+
 @pytest.mark.parametrize("jit_compile", [True, "elementwise"])
 def test_a_mode_with_xla_is_refused_for_several_replicas(jit_compile):
     with pytest.raises(ConfigError, match=rf"^config.jit_compile={jit_compile} is not supported with "
@@ -197,10 +228,13 @@ def test_a_mode_that_fails_in_the_probe(tmp_path, monkeypatch, failing_mode, err
     assert resolved(tmp_path) == {}  # Nothing measured, nothing recorded.
 
 
+OPS_TO_CLUSTER = f"--tf_xla_ops_to_cluster={compile_mode.CLUSTERED_OPS}"
+
+
 @pytest.mark.parametrize("before, after", [
-    ("", "--tf_xla_ops_to_cluster=FUSIBLE --tf_xla_min_cluster_size=8"),
+    ("", f"{OPS_TO_CLUSTER} --tf_xla_min_cluster_size=8"),
     ("--tf_xla_min_cluster_size=3 --tf_xla_auto_jit=2",
-     "--tf_xla_min_cluster_size=3 --tf_xla_auto_jit=2 --tf_xla_ops_to_cluster=FUSIBLE"),
+     f"--tf_xla_min_cluster_size=3 --tf_xla_auto_jit=2 {OPS_TO_CLUSTER}"),
     ("--tf_xla_ops_to_cluster=MatMul", "--tf_xla_ops_to_cluster=MatMul --tf_xla_min_cluster_size=8"),
 ])
 def test_the_clustering_flags_are_added_unless_the_user_set_them(monkeypatch, before, after):
