@@ -251,8 +251,9 @@ def _probe(trainer, batches: Iterable[Any]) -> list[PrecisionReport]:
       UserError: when reading the batches or running the model on them fails, or there are none.
     """
     try:
+        # Without the doctor's columns the advice does not read: rel.err and FP8.
         return precision_report.diagnose_batches(trainer, list(trainer.objectives), batches,
-                                                 relative_errors=False)
+                                                 relative_errors=False, float8=False)
     except tf.errors.OpError as error:
         raise UserError(f"the precision probe failed on the train batches: "
                         f"{controller.op_error_summary(error)}") from None

@@ -57,10 +57,12 @@ over a micro-batch starts from the same non-trainable state, so other draws from
 `SeedGenerator` of the model (a GAN's noise) repeat too, but draws from outside the model's variables
 differ in each pass, so the float32 gradients they reach disagree with their repeat and get no
 rel.err; a variable read by several layers (tied embeddings) is counted in the
-compute dtype of the layer that owns it. Every micro-batch's float32 gradients are held until the
-mixed pass, so memory grows with num_batches; so do the mixed pass's inputs and output gradients of
-each Dense and EinsumDense layer, from which `float8_report` tells what float8 would flush or
-saturate at the scale they set (the FP8 column, and `Advice.float8`).
+compute dtype of the layer that owns it. Memory: a pass reduces each layer call's values to a few
+numbers inside its traced function (`_CallStats`), so it weighs about one micro-step of the train
+step; every micro-batch's float32 gradients are held until the mixed pass, so memory grows with
+num_batches; so do the mixed pass's inputs and output gradients of each Dense and EinsumDense
+layer, from which `float8_report` tells what float8 would flush or saturate at the scale they set
+(the FP8 column, and `Advice.float8`; the automatic probe leaves it out).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ import itertools
 import json
 import math
 import re
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Sequence
 
 import keras
 import ml_collections
@@ -285,12 +287,15 @@ def diagnose_objectives(trainer, objectives: Sequence[str], num_batches: int = 4
 
 
 def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
-                     loss_scale: Optional[float] = None,
-                     relative_errors: bool = True) -> list[PrecisionReport]:
+                     loss_scale: Optional[float] = None, relative_errors: bool = True,
+                     float8: bool = True) -> list[PrecisionReport]:
     """`diagnose_objectives` on the given train `batches` (global batches, as the train data yields
     them) instead of the run's next ones: the automatic placement reads its own iterator. Without
     `relative_errors` the float32 pass is not repeated at NOISE_SCALE, a third less work, and every
-    rel.err is None (the advice does not read them).
+    rel.err is None; without `float8` no layer's FP8 column is measured (every `LayerReport.float8`
+    and `Advice.float8` is None), so the Dense layers' inputs and output gradients are not held
+    (1.2 GB for charlm at width 512). The advice on float32 layers and the initial scale reads
+    neither.
 
     Raises:
       UserError, ValueError: as `diagnose`, and UserError when `batches` is empty.
@@ -305,7 +310,7 @@ def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
     # As the trainer quantized its model, so that the twin's variables pair with the model's.
     float8_layers.quantize(twin, trainer.float8_paths)
     return [_diagnose_objective(trainer, name, twin, micro_batches, len(batches), loss_scale,
-                                relative_errors) for name in objectives]
+                                relative_errors, float8) for name in objectives]
 
 
 def _check_diagnosable(trainer, objectives: Sequence[str], num_batches: int,
@@ -334,7 +339,7 @@ def _check_diagnosable(trainer, objectives: Sequence[str], num_batches: int,
 
 def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batches: list,
                         num_batches: int, loss_scale: Optional[float],
-                        relative_errors: bool) -> PrecisionReport:
+                        relative_errors: bool, float8: bool) -> PrecisionReport:
     """The report on `objective`, from passes over `micro_batches` (read from `num_batches` batches)."""
     policy, model = trainer.policy, trainer.model
     scale = float(trainer.objectives[objective].loss_scale.scale.numpy() if loss_scale is None
@@ -344,7 +349,7 @@ def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batche
     _assign(twin.variables, saved)
     try:
         layers, variables, comparison_scale = _measure(trainer, objective, twin, micro_batches, scale,
-                                                       relative_errors)
+                                                       relative_errors, float8)
     finally:
         # The forward passes ran in training mode, which moves e.g. BatchNorm statistics.
         _assign(model.variables, saved)
@@ -392,15 +397,34 @@ def _strict_json(value: Any) -> Any:
 
 @dataclasses.dataclass
 class _Call:
+    """One layer call inside the traced pass."""
+
     inputs: list[tf.Tensor]  # The floating inputs, after the layer's own autocast.
     outputs: list[tf.Tensor]  # The floating outputs.
 
 
+@dataclasses.dataclass(frozen=True)
+class _CallStats:
+    """What the layer tallies read of one call, reduced inside the traced pass: a pass returns these
+    numbers, not every layer's tensors (which held 1.3 GB per pass for charlm at width 512, and
+    TensorFlow's CPU allocator keeps its peak for the rest of the process)."""
+
+    num_inputs: int  # Its floating inputs.
+    max_abs_input: float  # The largest finite magnitude among them (0.0 without any)...
+    non_finite_inputs: int  # ...and how many of their values are inf or NaN.
+    max_abs_output: float
+    non_finite_outputs: int
+    max_abs_output_grad: float  # Of its outputs' gradients, at the pass's scale.
+    output_grad_counts: np.ndarray  # `_cast_counts` of those gradients at the examined scale.
+
+
 @dataclasses.dataclass
 class _Pass:
-    calls: dict[int, list[_Call]]  # Layer index -> its calls, in order of the layers' first calls.
+    calls: dict[int, list[_CallStats]]  # Layer index -> its calls, in order of the layers' first calls.
     grads: list[np.ndarray]  # Unscaled float32 gradients of the objective's variables.
-    output_grads: dict[int, list[list[np.ndarray]]]  # Layer index -> per call, its outputs' gradients.
+    # Layer index -> per call, (its floating inputs, its outputs' gradients) as float32 copies: the
+    # layers whose FP8 column is measured.
+    float8_values: dict[int, list[tuple[list[np.ndarray], list[np.ndarray]]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,15 +439,18 @@ class _Net:
 
 
 def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, scale: float,
-             relative_errors: bool) -> tuple[list[LayerReport], list[VariableReport], float]:
+             relative_errors: bool, float8: bool
+             ) -> tuple[list[LayerReport], list[VariableReport], float]:
     """Runs the float32 passes over every micro-batch, then the mixed pass at the comparison scale
     their gradients give; returns the layer reports, the variable reports of `objective` and that
     scale."""
     model, policy = trainer.model, trainer.policy
     model_layers = list(named_layers(model).items())
-    layer_tallies = {index: _LayerTally(path, layer)
+    layer_tallies = {index: _LayerTally(path, layer, float8)
                      for index, (path, layer) in enumerate(model_layers)
                      if tf.as_dtype(layer.compute_dtype).is_floating}
+    # Both passes examine each layer's values in its compute dtype in the trainer's model.
+    layer_dtypes = {index: tally.compute_dtype for index, tally in layer_tallies.items()}
     variables = trainer.objectives[objective].variables
     dtypes = _gradient_dtypes(model_layers, variables, policy)
     variable_tallies = [_VariableTally(v.path, dtype, getattr(v, "overwrite_with_gradient", False))
@@ -431,16 +458,18 @@ def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, sc
     float32_net = _Net(twin, Policy.from_string("float32"), list(named_layers(twin).values()),
                        _twin_variables(model, twin, variables))
     order, float32_grads, states = _measure_float32(
-        twin, _traced_pass(trainer, objective, float32_net), micro_batches, scale, layer_tallies,
-        variable_tallies, relative_errors)
+        twin, _traced_pass(trainer, objective, float32_net, layer_dtypes), micro_batches, scale,
+        layer_tallies, variable_tallies, relative_errors)
     layers = [layer_tallies[i] for i in order]
     comparison_scale = _comparison_scale(scale, layers, variable_tallies, policy.compute_dtype)
-    mixed_pass = _traced_pass(trainer, objective,
-                              _Net(model, policy, [layer for _, layer in model_layers], variables))
+    mixed_pass = _traced_pass(
+        trainer, objective, _Net(model, policy, [layer for _, layer in model_layers], variables),
+        layer_dtypes, float8=[index for index, tally in layer_tallies.items() if tally.float8])
     for micro_batch, grads, state in zip(micro_batches, float32_grads, states):
         mixed = mixed_pass(micro_batch, comparison_scale, state)
         for index in order:
-            layer_tallies[index].add_mixed(mixed.calls.get(index, []), mixed.output_grads.get(index, []),
+            layer_tallies[index].add_mixed(mixed.calls.get(index, []),
+                                           mixed.float8_values.get(index, []),
                                            scale / comparison_scale)
         for tally, float32_grad, mixed_grad in zip(variable_tallies, grads, mixed.grads):
             tally.add_mixed(float32_grad, mixed_grad)
@@ -456,7 +485,7 @@ def _twin_variables(model: keras.Model, twin: keras.Model, variables: list) -> l
     return [twin.trainable_variables[places[id(variable)]] for variable in variables]
 
 
-def _measure_float32(twin: keras.Model, float32_pass: Callable[[Any, float, list], _Pass],
+def _measure_float32(twin: keras.Model, float32_pass: Callable[..., _Pass],
                      micro_batches: list, scale: float, layer_tallies: dict[int, _LayerTally],
                      variable_tallies: list[_VariableTally], relative_errors: bool
                      ) -> tuple[list[int], list[list[np.ndarray]], list[list[np.ndarray]]]:
@@ -468,13 +497,12 @@ def _measure_float32(twin: keras.Model, float32_pass: Callable[[Any, float, list
     float32_grads, states = [], []
     for micro_batch in micro_batches:
         states.append([variable.numpy() for variable in twin.non_trainable_variables])
-        reference = float32_pass(micro_batch, 1.0, states[-1])
+        reference = float32_pass(micro_batch, 1.0, states[-1], examined_scale=scale)
         repeated = (float32_pass(micro_batch, NOISE_SCALE, states[-1]).grads if relative_errors
                     else [None] * len(reference.grads))
         order.update(dict.fromkeys(i for i in reference.calls if i in layer_tallies))
         for index in order:
-            layer_tallies[index].add_float32(reference.calls.get(index, []),
-                                             reference.output_grads.get(index, []), scale)
+            layer_tallies[index].add_float32(reference.calls.get(index, []))
         for tally, grad, repeated_grad in zip(variable_tallies, reference.grads, repeated):
             tally.add_float32(grad, repeated_grad, scale)
         float32_grads.append(reference.grads)
@@ -500,11 +528,15 @@ def _micro_batches(batch: Any, num_micro_batches: int) -> list:
     return [tf.nest.map_structure(lambda t, i=i: t[i], split) for i in range(num_micro_batches)]
 
 
-def _traced_pass(trainer, objective: str, net: _Net) -> Callable[[Any, float, list], _Pass]:
+def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
+                 float8: Collection[int] = ()) -> Callable[..., _Pass]:
     """The train step's micro-step for `objective` through `net`, recording every layer call, as a
-    function of (micro-batch, loss scale, non-trainable state); its gradients are unscaled. Each
-    pass starts from the non-trainable `state` (seed generators' states, BatchNorm statistics), so
-    that every pass over a micro-batch draws the same random numbers.
+    function of (micro-batch, loss scale, non-trainable state, examined_scale=1.0); its gradients
+    are unscaled. Each pass starts from the non-trainable `state` (seed generators' states,
+    BatchNorm statistics), so that every pass over a micro-batch draws the same random numbers.
+    Each call of a layer in `dtypes` (index -> dtype) comes back as its `_CallStats`, its output
+    gradients times `examined_scale` counted as cast to that dtype; the layers in `float8` (indices)
+    also come back with their inputs and output gradients (the FP8 column needs every value).
 
     The passes run inside a `tf.function`, as the train step does, not eagerly: eager
     `tf.custom_gradient` treats a Keras variable passed as an argument as a captured variable
@@ -515,7 +547,7 @@ def _traced_pass(trainer, objective: str, net: _Net) -> Callable[[Any, float, li
     failures: list[tuple[int, str, Exception]] = []  # (layer index, stage, error), finest first.
 
     @tf.function
-    def traced(batch, scale):
+    def traced(batch, scale, examined_scale):
         with tf.GradientTape() as tape, _recording_calls(net.layers, tape.watch, failures) as calls:
             outputs = forward(net.model, net.policy, trainer.model_inputs(batch), training=True)
             loss = as_losses(trainer.compute_loss(outputs, batch), trainer.objectives)[objective]
@@ -532,14 +564,19 @@ def _traced_pass(trainer, objective: str, net: _Net) -> Callable[[Any, float, li
             lambda g, t: tf.zeros_like(t) if g is None else g, output_grads, layer_outputs)
         # A function returns tensors in sorted structures: the calls' order goes out as a tensor.
         order = tf.constant(list(calls), tf.int32, shape=[len(calls)])
-        records = {index: [(call.inputs, call.outputs) for call in records]
-                   for index, records in calls.items()}
-        return order, records, grads, output_grads
+        stats = {index: [_call_stats(call, call_grads, examined_scale, dtypes[index])
+                         for call, call_grads in zip(records, output_grads[index])]
+                 for index, records in calls.items() if index in dtypes}
+        float8_values = {index: [(call.inputs, call_grads)
+                                 for call, call_grads in zip(records, output_grads[index])]
+                         for index, records in calls.items() if index in float8}
+        return order, stats, grads, float8_values
 
-    def run(batch: Any, scale: float, state: list[np.ndarray]) -> _Pass:
+    def run(batch: Any, scale: float, state: list[np.ndarray], examined_scale: float = 1.0) -> _Pass:
         _assign(net.model.non_trainable_variables, state)
         try:
-            order, records, grads, output_grads = traced(batch, tf.constant(scale, tf.float32))
+            order, stats, grads, float8_values = traced(
+                batch, tf.constant(scale, tf.float32), tf.constant(examined_scale, tf.float32))
         except Exception:
             if not failures:
                 raise
@@ -549,12 +586,26 @@ def _traced_pass(trainer, objective: str, net: _Net) -> Callable[[Any, float, li
                             f"measured: its {stage} pass, traced as the train step traces it, "
                             f"raised {described(error)}") from None
         return _Pass(
-            calls={index: [_Call(*call) for call in records[index]] for index in order.numpy().tolist()},
+            calls={index: [_CallStats(**{name: value.numpy() for name, value in call.items()})
+                           for call in stats[index]]
+                   for index in order.numpy().tolist() if index in stats},
             grads=[_as_float32(g) / np.float32(scale) for g in grads],
-            output_grads=tf.nest.map_structure(_as_float32, output_grads),
+            float8_values=tf.nest.map_structure(_as_float32, float8_values),
         )
 
     return run
+
+
+def _call_stats(call: _Call, output_grads: list[tf.Tensor], examined_scale: tf.Tensor,
+                dtype: str) -> dict[str, tf.Tensor]:
+    """`call`'s `_CallStats` as tensors, inside the traced pass; `output_grads`: its outputs'."""
+    return {"num_inputs": tf.constant(len(call.inputs)), "max_abs_input": _max_abs(call.inputs),
+            "non_finite_inputs": _num_non_finite(call.inputs),
+            "max_abs_output": _max_abs(call.outputs),
+            "non_finite_outputs": _num_non_finite(call.outputs),
+            "max_abs_output_grad": _max_abs(output_grads),
+            "output_grad_counts": sum((_cast_counts(grad, examined_scale, dtype)
+                                       for grad in output_grads), tf.zeros([4], tf.int64))}
 
 
 class _Calls(dict):
@@ -665,16 +716,20 @@ def _gradient_dtypes(layers: list[tuple[str, Any]], variables: list, policy: Pol
     return [compute_dtypes.get(v.path.rpartition("/")[0], default) for v in variables]
 
 
-def _cast_counts(values: np.ndarray, scale: float, dtype: str) -> np.ndarray:
-    """[nonzero, zero, subnormal, inf]: of the nonzero float32 `values`, how many become zero,
-    subnormal or inf once multiplied by `scale` (in float32) and cast to `dtype`."""
-    nonzero = values[values != 0]
-    with np.errstate(over="ignore"):
-        scaled = nonzero * np.float32(scale)
-    cast = np.abs(_as_float32(tf.cast(scaled, dtype)))
+def _cast_counts(values: Any, scale: Any, dtype: str) -> tf.Tensor:
+    """[nonzero, zero, subnormal, inf] (int64): of the nonzero `values` (a tensor or an array, as
+    float32), how many become zero, subnormal or inf once multiplied by `scale` (in float32) and
+    cast to `dtype`."""
+    values = tf.cast(values, tf.float32)
+    nonzero = tf.not_equal(values, 0.0)
+    cast = tf.abs(tf.cast(tf.cast(values * scale, dtype), tf.float32))
     min_normal = DtypeRange.of(dtype).min_normal
-    return np.array([nonzero.size, np.sum(cast == 0), np.sum((cast > 0) & (cast < min_normal)),
-                     np.sum(np.isinf(cast))], np.int64)
+
+    def count(where: tf.Tensor) -> tf.Tensor:
+        return tf.math.count_nonzero(tf.logical_and(nonzero, where))
+
+    return tf.stack([tf.math.count_nonzero(nonzero), count(tf.equal(cast, 0.0)),
+                     count(tf.logical_and(cast > 0.0, cast < min_normal)), count(tf.math.is_inf(cast))])
 
 
 def _log2_histogram(values: np.ndarray) -> np.ndarray:
@@ -684,13 +739,18 @@ def _log2_histogram(values: np.ndarray) -> np.ndarray:
     return np.bincount(exponents - 1 - _MIN_EXPONENT, minlength=_MAX_EXPONENT - _MIN_EXPONENT + 1)
 
 
-def _max_abs(arrays: list[np.ndarray]) -> float:
-    finite = [np.abs(a[np.isfinite(a)]) for a in arrays]
-    return max((float(a.max()) for a in finite if a.size), default=0.0)
+def _max_abs(tensors: list[tf.Tensor]) -> tf.Tensor:
+    """The largest finite magnitude in `tensors` (a float32 scalar; 0.0 without any)."""
+    largest = [tf.reduce_max(tf.where(tf.math.is_finite(t), tf.abs(t), 0.0))
+               for t in (tf.cast(t, tf.float32) for t in tensors)]
+    # The 0.0 also stands for an empty tensor, whose reduce_max is float32's lowest value.
+    return tf.reduce_max(tf.stack(largest + [tf.constant(0.0)]))
 
 
-def _num_non_finite(arrays: list[np.ndarray]) -> int:
-    return sum(int(np.sum(~np.isfinite(a))) for a in arrays)
+def _num_non_finite(tensors: list[tf.Tensor]) -> tf.Tensor:
+    """How many values of `tensors` are inf or NaN (an int64 scalar)."""
+    return sum((tf.math.count_nonzero(tf.logical_not(tf.math.is_finite(t))) for t in tensors),
+               tf.constant(0, tf.int64))
 
 
 def _squared_norm(values: np.ndarray) -> float:
@@ -711,39 +771,37 @@ def _pooled(variables: list[VariableReport], name: str) -> float:
 class _LayerTally:
     """One layer's values summed over micro-batches."""
 
-    def __init__(self, path: str, layer: keras.layers.Layer):
+    def __init__(self, path: str, layer: keras.layers.Layer, float8: bool):
         self.path, self.compute_dtype = path, layer.compute_dtype
-        self.float8 = (float8_report.Float8Tally(layer) if float8_layers.can_train_in_float8(layer)
-                       else None)
+        # The FP8 column, when measured (`float8`), for the layers Keras can train in FP8.
+        self.float8 = (float8_report.Float8Tally(layer)
+                       if float8 and float8_layers.can_train_in_float8(layer) else None)
         self.max_abs_input: Optional[float] = None  # Stays None for layers that read only ids.
         self.max_abs_output = self.max_abs_output_grad = 0.0
         self.non_finite_outputs = self.float32_non_finite_outputs = 0
         self.creates_non_finite = False
         self.grad_counts = np.zeros(4, np.int64)
 
-    def add_float32(self, float32_calls: list[_Call], output_grads: list, scale: float) -> None:
-        """One micro-batch's float32 pass; its output gradients are examined at `scale`."""
+    def add_float32(self, float32_calls: list[_CallStats]) -> None:
+        """One micro-batch's float32 pass (unscaled, its output gradients counted at the loss scale)."""
         for call in float32_calls:
-            outputs = [_as_float32(t) for t in call.outputs]
-            if call.inputs:
-                largest_input = _max_abs([_as_float32(t) for t in call.inputs])
-                self.max_abs_input = max(self.max_abs_input or 0.0, largest_input)
-            self.max_abs_output = max(self.max_abs_output, _max_abs(outputs))
-            self.float32_non_finite_outputs += _num_non_finite(outputs)
-        for grad in itertools.chain.from_iterable(output_grads):
-            self.max_abs_output_grad = max(self.max_abs_output_grad, _max_abs([grad]))
-            self.grad_counts += _cast_counts(grad, scale, self.compute_dtype)
+            if call.num_inputs:
+                self.max_abs_input = max(self.max_abs_input or 0.0, float(call.max_abs_input))
+            self.max_abs_output = max(self.max_abs_output, float(call.max_abs_output))
+            self.float32_non_finite_outputs += int(call.non_finite_outputs)
+            self.max_abs_output_grad = max(self.max_abs_output_grad, float(call.max_abs_output_grad))
+            self.grad_counts += call.output_grad_counts
 
-    def add_mixed(self, mixed_calls: list[_Call], output_grads: list, grad_factor: float) -> None:
-        """One micro-batch's mixed pass; its `output_grads` times `grad_factor` are at the loss scale."""
-        for call, grads in zip(mixed_calls, output_grads):
-            if self.float8:
-                self.float8.add([_as_float32(t) for t in call.inputs],
-                                [grad * np.float32(grad_factor) for grad in grads])
-            num_bad = _num_non_finite([_as_float32(t) for t in call.outputs])
-            self.non_finite_outputs += num_bad
-            if num_bad and not _num_non_finite([_as_float32(t) for t in call.inputs]):
+    def add_mixed(self, mixed_calls: list[_CallStats], float8_values: list,
+                  grad_factor: float) -> None:
+        """One micro-batch's mixed pass; `float8_values`, per call (its inputs, its outputs'
+        gradients) for the FP8 column, has gradients that times `grad_factor` are at the loss scale."""
+        for call in mixed_calls:
+            self.non_finite_outputs += int(call.non_finite_outputs)
+            if call.non_finite_outputs and not call.non_finite_inputs:
                 self.creates_non_finite = True
+        for inputs, grads in float8_values if self.float8 else ():
+            self.float8.add(inputs, [grad * np.float32(grad_factor) for grad in grads])
 
     def report(self) -> LayerReport:
         max_abs = max(self.max_abs_input or 0.0, self.max_abs_output)
@@ -777,7 +835,7 @@ class _VariableTally:
         if self.overwritten:  # A new value: only its finiteness means anything (`add_mixed`).
             return
         nonzero = grad != 0
-        self.counts += _cast_counts(grad, scale, self.dtype)
+        self.counts += _cast_counts(grad, scale, self.dtype).numpy()
         self.histogram += _log2_histogram(grad)
         if nonzero.any():
             magnitudes = np.abs(grad[nonzero])
