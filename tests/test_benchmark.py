@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import cli_runs
+import keras
 import pytest
 import tensorflow as tf
 import tiny_experiment
@@ -53,7 +54,7 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
                      *in_every_mode("mixloop policy=mixed_bfloat16"),
                      "mixloop loss_scale=none", "mixloop float8_layers=auto",
                      "mixloop policy=mixed_bfloat16 float8_layers=auto",
-                     "mixloop ema_decay=0.999", "mixloop +metric",
+                     "mixloop ema_decay=0.999", "mixloop +metric", "mixloop lighter",
                      "mixloop overflow_retries=0"]
     # XLA: fit leaves it off on a CPU, the tuned fit turns it on, the rest as the probe picked
     # unless named for another mode.
@@ -70,14 +71,17 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
     assert all(math.isfinite(r) and r > 0 for r in report["ratios"].values()), report["ratios"]
 
     # Peak memory: --quick measures the variants that differ from the configured run in their
-    # policy alone, each in a process of its own (a TensorFlow process: hundreds of MB).
+    # policy alone, and the lighter settings, each in a process of its own (a TensorFlow process:
+    # hundreds of MB).
     rows = {row["name"]: row for row in report["variants"]}
-    measured = ["mixloop", "mixloop policy=float32", "mixloop policy=mixed_bfloat16"]
+    measured = ["mixloop", "mixloop policy=float32", "mixloop policy=mixed_bfloat16",
+                "mixloop lighter"]
     assert [name for name, row in rows.items() if row["peak_bytes"] is not None] == measured
     assert all(100e6 < rows[name]["peak_bytes"] < 100e9 for name in measured)
-    float16, float32, bfloat16 = (rows[name]["peak_bytes"] for name in measured)
+    float16, float32, bfloat16, lighter = (rows[name]["peak_bytes"] for name in measured)
     assert report["memory_ratios"] == {"mixed_bfloat16/float32": round(bfloat16 / float32, 3),
-                                       "mixed_float16/float32": round(float16 / float32, 3)}
+                                       "mixed_float16/float32": round(float16 / float32, 3),
+                                       "lighter/float32": round(lighter / float32, 3)}
 
     table = result.stdout.splitlines()
     assert "| variant | policy | accumulation | loss scale | XLA | examples/s |" in result.stdout
@@ -88,7 +92,8 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
     assert table[-3].startswith("16-bit vs float32, each in its fastest compile mode: mixed_bfloat16 ")
     assert ("; peak memory vs float32's, all in the configured compile mode: mixed_bfloat16 "
             f"{report['memory_ratios']['mixed_bfloat16/float32']:.2f}x, mixed_float16 "
-            f"{report['memory_ratios']['mixed_float16/float32']:.2f}x") in table[-3]
+            f"{report['memory_ratios']['mixed_float16/float32']:.2f}x, lighter "
+            f"{report['memory_ratios']['lighter/float32']:.2f}x") in table[-3]
     assert "jit_compile=auto picks" in table[-3]
 
 
@@ -158,12 +163,27 @@ def test_memory_compares_the_variants_that_change_the_policy_alone(policy, loss_
     config.jit_compile = True
     assert benchmark.policy_rows(benchmark.mixloop_configs(config)) == rows
 
-    peaks = {rows["float32"]: 400, rows["mixed_float16"]: 300, rows["mixed_bfloat16"]: 200}
+    peaks = {rows["float32"]: 400, rows["mixed_float16"]: 300, rows["mixed_bfloat16"]: 200,
+             benchmark.LIGHTER: 100}
     variants = [benchmark.Variant(name, "float32", 2, "none", True, False, False, lambda: None,
                                   peak_bytes=peaks.get(name))
-                for name in benchmark.mixloop_configs(config)]
-    assert benchmark.memory_ratios(variants, config) == {"mixed_bfloat16/float32": 0.5,
-                                                         "mixed_float16/float32": 0.75}
+                for name in [*benchmark.mixloop_configs(config), benchmark.LIGHTER]]
+    assert benchmark.memory_ratios(variants, config) == {
+        "mixed_bfloat16/float32": 0.5, "mixed_float16/float32": 0.75, "lighter/float32": 0.25}
+    without_lighter = [v for v in variants if v.name != benchmark.LIGHTER]
+    assert benchmark.memory_ratios(without_lighter, config)["lighter/float32"] is None
+
+
+def test_the_lighter_variant_needs_the_configs_adam():
+    config = tiny_experiment.get_config()
+    trainer_class = tiny_experiment.TinyTrainer
+    assert config.optimizer.name == "adamw" and benchmark.lighter_fits(trainer_class, config)
+    config.optimizer.name = "sgd"  # int8 moments are Adam's.
+    assert not benchmark.lighter_fits(trainer_class, config)
+    config.optimizer.name = "adam"
+    own_optimizer = type("OwnOptimizer", (trainer_class,),
+                         {"build_optimizer": lambda self: keras.optimizers.Adam()})
+    assert not benchmark.lighter_fits(own_optimizer, config)
 
 
 def test_with_xla_off_the_variations_turn_it_on():

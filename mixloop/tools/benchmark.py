@@ -29,13 +29,17 @@ times, in one process, the same optimizer updates on the same batches done sever
                      FP8 quantize-dequantize layers: emulated on a CPU, so slower)
     mixloop +metric  the configured run with one more train metric (the mean of the model's first
                      output: a reduction over the logits, weighted and summed like any metric)
+    mixloop lighter  mixed_bfloat16 with every lighter setting: bfloat16 master weights, int8
+                     Adam moments, bfloat16 accumulators (docs/memory.md); when the experiment's
+                     optimizer is config.optimizer's adam or adamw
 
 Peak memory is measured first, apart from the timing: each variant is built and trained (its warm-up
 and one repeat) in a process of its own (`memory.peak_of`), so its peak (`memory.peak_bytes`: the
 host's peak resident set size on a CPU) counts no other variant. Each such process also holds the
 configured Trainer the batches come from (the same in every row) and counts of TensorFlow's code
 only the pages it runs: its figures are a few hundred MB below a fresh process's. `--quick`
-measures only the variants that differ from the configured run in their policy (`policy_rows`).
+measures only the variants that differ from the configured run in their policy (`policy_rows`),
+and the lighter one.
 
 Every variant is built and warmed up first, which traces all it will run. Then the repeats run
 interleaved (A B C ... A B C ...), so a busy neighbour slows every variant alike. A repeat is
@@ -99,7 +103,14 @@ _AUTO_KEYS = {"xla": True, "graph": False, "elementwise": compile_mode.ELEMENTWI
 EXTRA_METRIC = "benchmark_output_mean"  # The +metric variant's train metric.
 # Variants that change something besides policy, compile mode, accumulation and loss scale: left out
 # of the policy comparisons (the headline and the chart).
-SIDE_VARIANTS = ("mixloop ema_decay", "mixloop +metric", "mixloop batch_loss", NO_RETRIES)
+# mixed_bfloat16 with every lighter setting (docs/memory.md): bfloat16 weights, int8 moments and
+# bfloat16 accumulators; for experiments whose optimizer comes from config.optimizer (adam or adamw).
+LIGHTER = "mixloop lighter"
+LIGHTER_SETTINGS = {"precision.policy": "mixed_bfloat16", "precision.master_weights": "bfloat16",
+                    "optimizer.state_dtype": "int8", "train.accumulation_dtype": "bfloat16"}
+# The peak-memory ratios: each 16-bit policy's, and the lighter settings', over float32's.
+MEMORY_RATIOS = (*POLICY_RATIOS, "lighter/float32")
+SIDE_VARIANTS = ("mixloop ema_decay", "mixloop +metric", "mixloop batch_loss", NO_RETRIES, LIGHTER)
 FLOAT8_NAME = "float8_layers=auto"  # In the names of the float8 variants.
 
 
@@ -355,12 +366,24 @@ def variant_builders(trainer, mixloop_configs: dict[str, ml_collections.ConfigDi
         f"mixloop ema_decay={ema_decay:g}": (_changed(config, {"train.ema_decay": ema_decay}),
                                              trainer_class),
         "mixloop +metric": (config, _with_extra_metric(trainer_class)),
+        **({LIGHTER: (_changed(config, LIGHTER_SETTINGS), trainer_class)}
+           if lighter_fits(trainer_class, config) else {}),
         NO_RETRIES: (_changed(float16, {"precision.overflow_retries": 0}), trainer_class),
     }
     for name, (variant_config, variant_class) in mixloop_runs.items():
         builders[name] = functools.partial(mixloop_variant, name, variant_config, variant_class,
                                            data, workdir)
     return builders
+
+
+def lighter_fits(trainer_class: type, config: ml_collections.ConfigDict) -> bool:
+    """Whether the experiment can take LIGHTER_SETTINGS: its one objective's optimizer comes from
+    config.optimizer, and that is adam or adamw (what int8 moments need)."""
+    from mixloop.runner.trainer import Trainer  # The benchmark's subject; imported late, as cli does.
+
+    return (config.optimizer.name in ("adam", "adamw")
+            and trainer_class.build_objectives is Trainer.build_objectives
+            and trainer_class.build_optimizer is Trainer.build_optimizer)
 
 
 def _with_extra_metric(trainer_class: type) -> type:
@@ -493,14 +516,14 @@ def policy_rows(configs: dict[str, ml_collections.ConfigDict]) -> dict[str, str]
 
 def memory_ratios(variants: list[Variant], config: ml_collections.ConfigDict
                   ) -> dict[str, Optional[float]]:
-    """For each ratio of POLICY_RATIOS, the policy's peak memory over float32's, both in the
-    configured run's compile mode and accumulation (`policy_rows`); None where a peak was not
-    measured."""
+    """For each ratio of MEMORY_RATIOS, the policy's (or the lighter settings') peak memory over
+    float32's, all in the configured run's compile mode and accumulation (`policy_rows`); None
+    where a peak was not measured, or the experiment has no lighter variant."""
     peaks = {v.name: v.peak_bytes for v in variants}
-    rows = policy_rows(mixloop_configs(config))
+    rows = {**policy_rows(mixloop_configs(config)), "lighter": LIGHTER}
     ratios = {}
-    for ratio in POLICY_RATIOS:
-        numerator, denominator = (peaks[rows[policy]] for policy in ratio.split("/"))
+    for ratio in MEMORY_RATIOS:
+        numerator, denominator = (peaks.get(rows[policy]) for policy in ratio.split("/"))
         ratios[ratio] = numerator / denominator if numerator and denominator else None
     return ratios
 
@@ -621,7 +644,7 @@ def format_table(report: dict[str, Any]) -> str:
     headline = ("16-bit vs float32, each in its fastest compile mode: " + ", ".join(
         f"{name.split('/')[0]} {ratios[name]:.2f}x" for name in POLICY_RATIOS)) + (
         "; peak memory vs float32's, all in the configured compile mode: " + ", ".join(
-            f"{name.split('/')[0]} {_shown(memory_ratio[name])}x" for name in POLICY_RATIOS))
+            f"{name.split('/')[0]} {_shown(memory_ratio[name])}x" for name in MEMORY_RATIOS))
     auto = report.get("auto_compile_mode")
     if auto:
         speeds = ", ".join(f"{speed:.0f} {compile_mode.describe(_AUTO_KEYS[key])}"
@@ -774,7 +797,8 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
             trainer.set_jit_compile(auto["mode"])
         configs = mixloop_configs(config)
         builders = variant_builders(trainer, configs, workdir)
-        peaks = measure_peaks(config, list(policy_rows(configs).values() if quick else builders))
+        measured = [*policy_rows(configs).values(), *([LIGHTER] if LIGHTER in builders else [])]
+        peaks = measure_peaks(config, measured if quick else list(builders))
         logging.info("Building the variants (one model, and for mixloop one Trainer, each)...")
         variants = [build() for build in builders.values()]
         for variant in variants:
