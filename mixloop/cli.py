@@ -16,7 +16,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mixloop import errors, interrupts
-from mixloop.config import validate
+from mixloop.config import check_complete, validate
 from mixloop.errors import UserError
 from mixloop.runner import workdir
 
@@ -90,6 +90,7 @@ def import_trainer(path: str) -> type:
 def build_trainer(config: ml_collections.ConfigDict, workdir: str):
     """Validates `config` (its warm-up fitted to its length) and builds the Trainer it names,
     working in `workdir`."""
+    check_complete(config)  # Before fit_warmup reads config.optimizer.
     fit_warmup(config)
     validate(config)
     return import_trainer(config.trainer)(config, workdir)
@@ -218,18 +219,18 @@ def _hook_failure(error: Exception, reads: set[tuple[int, str]]) -> Optional[Use
     when no such method is on the traceback (a bug elsewhere keeps its traceback)."""
     from mixloop.runner.trainer import Trainer
 
-    hooks = [frame for frame, _ in errors.user_frames(error)
-             if isinstance(frame.f_locals.get("self"), Trainer)]
+    hooks = [frame.f_code.co_name for frame, _ in errors.user_frames(error)
+             if isinstance(frame.f_locals.get("self"), Trainer)] or errors.traced_hooks(error, Trainer)
     if not hooks:
         return None
     overrides = _overrides_read(reads)
-    return UserError(f"{hooks[0].f_code.co_name}() failed: {errors.described(error)}; check the "
+    return UserError(f"{hooks[0]}() failed: {errors.described(error)}; check the "
                      "config values it reads"
                      + (f" (set on the command line: {overrides})" if overrides else ""))
 
 
 def _exit_with(error: UserError) -> None:
-    print(f"error: {error}", file=sys.stderr)
+    print(f"error: {errors.message_of(error)}", file=sys.stderr)
     sys.exit(error.exit_code)
 
 

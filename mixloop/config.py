@@ -138,8 +138,36 @@ def validate(config: ml_collections.ConfigDict) -> None:
     Raises:
       ConfigError: one line naming the first bad key, its value and what is allowed.
     """
+    check_complete(config)
     _check_known_keys(config, base_config(), prefix="")
     _check_values(config)
+
+
+def check_complete(config: Any) -> None:
+    """Refuses a config that lacks a framework key (a `get_config` returning a plain dict of its
+    own rather than `base_config()` with changes), before anything reads the key.
+
+    Raises:
+      ConfigError: naming the first missing key and the way out.
+    """
+    missing = _first_missing_key(config, base_config(), prefix="")
+    if missing:
+        raise ConfigError(f"config.{missing} is missing: the config must hold every framework key; "
+                          "start get_config() from mixloop.config.base_config() and change what "
+                          "the experiment needs")
+
+
+def _first_missing_key(config: Any, reference: ml_collections.ConfigDict, prefix: str) -> str:
+    """The path of the first key of `reference` that `config` lacks (free-form sections are
+    checked only for being there), or ''."""
+    for key in reference.keys():
+        if not hasattr(config, "keys") or key not in config:
+            return prefix + key
+        if isinstance(reference[key], ml_collections.ConfigDict) and key not in FREE_FORM_SECTIONS:
+            missing = _first_missing_key(config[key], reference[key], prefix + key + ".")
+            if missing:
+                return missing
+    return ""
 
 
 def _check_known_keys(config: Any, reference: Any, prefix: str) -> None:

@@ -4,6 +4,7 @@ where in the experiment's own code an exception was raised (for that line to nam
 from __future__ import annotations
 
 import os
+import re
 import sysconfig
 import traceback
 import types
@@ -29,13 +30,60 @@ def user_frames(error: BaseException) -> list[tuple[types.FrameType, int]]:
 
 def described(error: BaseException) -> str:
     """'ValueError: <its message on one line> (at <file>:<line>)', the line the experiment's own
-    code raised it from, when that is on its traceback."""
+    code raised it from, when that is on its traceback (or, for an error raised while TensorFlow
+    traced the experiment's code, in the call stack autograph wrote into its message)."""
+    message, traced_at = _untraced(str(error), type(error).__name__)
     frames = user_frames(error)
-    where = f" (at {frames[-1][0].f_code.co_filename}:{frames[-1][1]})" if frames else ""
-    return f"{type(error).__name__}: {' '.join(str(error).split())}{where}"
+    where = f"{frames[-1][0].f_code.co_filename}:{frames[-1][1]}" if frames else traced_at
+    return f"{type(error).__name__}: {' '.join(message.split())}" + (f" (at {where})" if where else "")
+
+
+def message_of(error: BaseException) -> str:
+    """`error`'s own message: for an error raised while TensorFlow traced code (a `UserError` from
+    mixloop's checks inside the step), without the traced call stack autograph wrapped it in."""
+    return _untraced(str(error), type(error).__name__)[0]
+
+
+def _untraced(message: str, type_name: str) -> tuple[str, str]:
+    """(the original message, '<file>:<line>' of the experiment's innermost traced frame or '')
+    of an error autograph re-raised as 'in user code: <the traced call stack> <Type>: <message>';
+    `message` and '' for any other."""
+    if not message.startswith("in user code:"):
+        return message, ""
+    original = message.strip().splitlines()[-1].strip()
+    places = [f"{file}:{line}" for file, line, _ in _traced_user_frames(message)]
+    return original.removeprefix(f"{type_name}: "), places[-1] if places else ""
+
+
+def traced_hooks(error: BaseException, owner: type) -> list[str]:
+    """The names of the methods of `owner` (the Trainer) written in the experiment's code that
+    were being traced when `error` was raised (`compute_loss` calling `mixloop.forward` wrongly),
+    outermost first: in autograph's converted code on the traceback (`tf__compute_loss`, its
+    `self` an `owner`) and in the experiment's files on the call stack its message holds."""
+    converted = {frame.f_code.co_name.removeprefix("tf__")
+                 for frame, _ in traceback.walk_tb(error.__traceback__)
+                 if "__autograph_generated_file" in frame.f_code.co_filename
+                 and isinstance(frame.f_locals.get("self"), owner)}
+    return [name for _, _, name in _traced_user_frames(str(error)) if name in converted]
+
+
+def _traced_user_frames(message: str) -> list[tuple[str, str, str]]:
+    """(file, line, function) of the experiment's frames on the traced call stack of an error
+    autograph re-raised ('in user code: ...'), outermost first."""
+    if not message.startswith("in user code:"):
+        return []
+    return [frame for frame in _TRACED_FRAME.findall(message) if _is_user_file(frame[0])]
+
+
+_TRACED_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 
 
 def is_user_code(frame: types.FrameType) -> bool:
-    filename = frame.f_code.co_filename
+    return _is_user_file(frame.f_code.co_filename)
+
+
+def _is_user_file(filename: str) -> bool:
+    """Whether `filename` holds the experiment's code: not mixloop, Python, an installed package,
+    or code TensorFlow generated."""
     return not (filename.startswith(_LIBRARY_FOLDERS) or filename.startswith("<")
                 or "__autograph_generated_file" in filename)

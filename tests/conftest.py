@@ -56,3 +56,12 @@ def garbage_collected():
     yield
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def compile_mode_cache(tmp_path_factory, monkeypatch):
+    """A compile-mode cache of each test's own (`compile_cache`), which the CLI runs it starts
+    inherit: no test reads a choice another measured, nor writes the user's cache."""
+    folder = tmp_path_factory.mktemp("compile-cache")
+    monkeypatch.setenv("MIXLOOP_CACHE_DIR", str(folder))
+    return folder

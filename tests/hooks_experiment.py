@@ -6,12 +6,16 @@ the CLI tests of what a research subclass can get wrong.
 returns one `Action`, not a list) or "slow" (an action every 5 updates that logs ACTION_STARTED
 and sleeps `action_seconds`). `objectives`: "" (the default one), "frozen" (an objective on a
 layer with no trainable variables) or "shared" (two objectives training the same layer).
-`get_config("dict")` returns the config as a plain dict.
+`python_loop_loss`: `compute_loss` loops over the labels' batch dimension in Python;
+`unknown_label_batch`: the labels lose their static batch dimension in a map.
+`get_config("dict")` returns the config as a plain dict; `get_config("own_dict")` a plain dict of
+the experiment's own, without the framework's keys.
 """
 
 import time
 
 import keras
+import tensorflow as tf
 from absl import logging
 
 import mixloop
@@ -34,6 +38,22 @@ class HooksTrainer(tiny_experiment.TinyTrainer):
             return {"a": mixloop.Objective(self.model, keras.optimizers.SGD(0.1)),
                     "b": mixloop.Objective(logits, keras.optimizers.SGD(0.1))}
         return super().build_objectives()
+
+    def build_datasets(self):
+        train, evaluation = super().build_datasets()
+        if self.config.model.unknown_label_batch:
+            train = train.map(lambda x, y: (x, tf.boolean_mask(y, y >= 0)))  # Every row.
+        return train, evaluation
+
+    def compute_loss(self, outputs, batch):
+        if not self.config.model.python_loop_loss:
+            return super().compute_loss(outputs, batch)
+        labels = batch[1]
+        total = 0.0
+        for row in range(labels.shape[0]):  # A static batch dimension, or a one-line error.
+            total += keras.losses.sparse_categorical_crossentropy(labels[row], outputs[row],
+                                                                  from_logits=True)
+        return total / labels.shape[0]
 
     def actions(self):
         kind = self.config.model.action
@@ -72,4 +92,8 @@ def get_config(arg=None):
     config.model.action = ""  # "", "raise_every", "raise_at_eval", "single" or "slow".
     config.model.action_seconds = 0.0  # How long the slow action sleeps.
     config.model.objectives = ""  # "", "frozen" or "shared".
+    config.model.python_loop_loss = False  # compute_loss loops over the batch in Python.
+    config.model.unknown_label_batch = False  # The labels lose their static batch dimension.
+    if arg == "own_dict":
+        return {"trainer": config.trainer, "model": config.model.to_dict(), "train": {"num_steps": 4}}
     return config.to_dict() if arg == "dict" else config

@@ -16,6 +16,7 @@ import faulty_experiment
 import hot_experiment
 import keras
 import pytest
+import second_order_experiment
 import tensorflow as tf
 import tiny_experiment
 
@@ -306,9 +307,10 @@ def traced_dtypes(trainer):
     return sorted(typed(node) for node in nodes)
 
 
-def started_tiny(directory, **overrides):
-    """A tiny trainer after the controller's start: config.json written, then `start_precision`."""
-    trainer = make_trainer(tiny_experiment, None, directory, **overrides)
+def started_tiny(directory, module=tiny_experiment, variant=None, **overrides):
+    """A tiny trainer (`module`'s) after the controller's start: config.json written, then
+    `start_precision`."""
+    trainer = make_trainer(module, variant, directory, **overrides)
     os.makedirs(directory)
     workdir.write_config(str(directory), trainer.config, 0)
     with absl_messages() as log:
@@ -331,6 +333,28 @@ def test_nothing_to_fix_keeps_the_placement_the_step_and_the_scale(tmp_path):
     assert float(plain.objectives["model"].loss_scale.scale.numpy()) == 2.0**15
     assert float(auto.objectives["model"].loss_scale.scale.numpy()) == resolved[
         "precision.initial_scale"]
+
+
+def test_the_probe_measures_a_loss_that_runs_the_model_itself(tmp_path):
+    """A MAML-style compute_loss over self.model: the float32 pass runs it on the twin."""
+    trainer, log = started_tiny(tmp_path / "run", second_order_experiment)
+    with open(tmp_path / "run" / "precision" / "report-step-0.json") as f:
+        report = json.load(f)
+    assert all(variable["max_abs"] > 0 for variable in report["variables"])
+    scale = float(trainer.objectives["model"].loss_scale.scale.numpy())
+    assert scale == report["advice"]["initial_scale"]
+    assert [m for m in log if m.startswith(f"precision.initial_scale=auto: the loss scale starts "
+                                           f"at {scale:g}")]
+
+
+def test_a_loss_the_probe_cannot_measure_is_one_line_and_no_advice(tmp_path):
+    trainer, log = started_tiny(tmp_path / "run", second_order_experiment, "stray")
+    [line] = [m for m in log if "cannot measure" in m]
+    assert line.startswith("Automatic precision: not probed, the precision probe cannot measure "
+                           "objective 'model''s loss: compute_loss reaches the trainer's model")
+    assert "\n" not in line
+    assert float(trainer.objectives["model"].loss_scale.scale.numpy()) == 2.0**15
+    assert not (tmp_path / "run" / "precision").exists()
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import mixloop
+from mixloop import errors as mixloop_errors
 from mixloop.runner import distribution
 
 BATCH, FEATURES = 32, 8
@@ -169,3 +170,47 @@ def test_the_second_pass_draws_the_first_pass_dropout_and_statistics_move_once()
     [seed], [plain_seed] = [[v for v in s.model.variables if "seed_generator" in v.path]
                             for s in (step, plain)]
     assert int(seed.numpy()[1]) == int(plain_seed.numpy()[1]) == 4 * 2
+
+
+def with_batch_mean_output(build_fn=two_views_model()):
+    """`build_fn`'s model with a third output, the batch mean of z1 (shape [4]: not batch-shaped)."""
+
+    def build():
+        model = build_fn()
+        views_in = model.inputs
+        produced = model(views_in)
+        mean = keras.layers.Lambda(lambda z: tf.reduce_mean(z, 0), name="mean")(produced["z1"])
+        return keras.Model(views_in, {**produced, "mean": mean})
+
+    return build
+
+
+@pytest.mark.parametrize("strategy_name, accumulation_steps, joined", [
+    ("one replica", 2, "joined over 2 micro-batches,"),
+    ("two replicas", 1, "joined over 2 replicas,")])
+def test_an_output_that_is_not_batch_shaped_is_refused_at_trace_time(strategy_name,
+                                                                    accumulation_steps, joined):
+    """A batch mean joined over micro-batches ([4] twice: [8]) would be another loss's input."""
+    strategy = STRATEGIES[strategy_name]()
+    step = make_step(strategy, with_batch_mean_output(), batch_loss=True,
+                     accumulation_steps=accumulation_steps)
+    rows = BATCH // 2
+    with pytest.raises(mixloop_errors.UserError) as raised:
+        update_of(strategy, step, views())
+    assert mixloop_errors.message_of(raised.value) == (
+        f"train.batch_loss: model output mean has shape (4,), whose first dimension is not the "
+        f"micro-batch size {rows}; the loss over the whole batch would read it {joined} "
+        "laid end to end; make every model output batch-shaped ([batch, ...]: take a statistic "
+        "over the batch, such as a mean, in compute_loss instead), or set train.batch_loss=False")
+
+
+def test_an_output_of_unknown_rows_is_checked_when_the_step_runs():
+    """Without a static batch dimension the rule is an assertion in the step."""
+    strategy = tf.distribute.get_strategy()
+    step = make_step(strategy, with_batch_mean_output(), batch_loss=True, accumulation_steps=2)
+    batch = next(iter(tf.data.Dataset.from_tensor_slices(views()).batch(BATCH)))  # Rows unknown.
+    compiled = tf.function(step.step, input_signature=[
+        tf.nest.map_structure(lambda t: tf.TensorSpec([None, FEATURES], t.dtype), batch)])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"train.batch_loss: model output mean "
+                       r"has shape \(4,\), whose first dimension is not the micro-batch size; "):
+        compiled(batch)

@@ -3,6 +3,7 @@ leaves exactly as a run configured in the chosen mode."""
 
 import collections
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import tiny_experiment
 from tensorflow.python.eager import context
 
 from mixloop.config import ConfigError
-from mixloop.runner import compile_mode
+from mixloop.errors import UserError
+from mixloop.runner import compile_cache, compile_mode
 
 
 def make_trainer(workdir, **overrides):
@@ -241,3 +243,102 @@ def test_the_clustering_flags_are_added_unless_the_user_set_them(monkeypatch, be
     monkeypatch.setenv("TF_XLA_FLAGS", before)
     compile_mode._cluster_elementwise_ops_only()
     assert os.environ["TF_XLA_FLAGS"] == after
+
+
+def edit_resolved(workdir, edit):
+    """config.json with its `resolved` record passed through `edit` (a hand edit); the record."""
+    path = os.path.join(workdir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["resolved"] = edit(config["resolved"])
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return config["resolved"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda record: {**record, "jit_compile": 1},
+     "records resolved.jit_compile=1, which is not a compile mode: true, false or \"elementwise\"; "
+     "repair it, or delete the key from the 'resolved' record to choose it again"),
+    (lambda record: {**record, "jit_compile": "xla"},
+     "records resolved.jit_compile=\"xla\", which is not a compile mode"),
+    (lambda record: [record],
+     ": its 'resolved' record is an array, not a JSON object of the values the 'auto' settings "
+     "chose; repair it, or delete the record to choose them again"),
+], ids=["1", "a string", "a list"])
+def test_a_hand_edited_record_is_refused_in_one_line_before_any_probe(tmp_path, pinned_speeds,
+                                                                     edit, message):
+    """1 == True in Python: read as XLA, it would have logged "with XLA" and run graph mode."""
+    seconds, timed = pinned_speeds
+    seconds.update({True: 5.0, False: 1.0})
+    make_trainer(tmp_path).train()
+    record = edit_resolved(tmp_path, edit)
+    timed.clear()
+    with pytest.raises(UserError) as raised:
+        make_trainer(tmp_path, **{"train.num_steps": 30}).train()
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    assert str(raised.value).startswith(os.path.join(tmp_path, "config.json"))
+    assert timed == []
+    assert json.load(open(os.path.join(tmp_path, "config.json")))["resolved"] == record  # Kept.
+    assert not os.path.exists(os.path.join(tmp_path, ".lock"))
+
+
+# ----- The cache of measured choices (compile_cache) and the known rule. -----
+
+
+def test_a_new_workdir_of_the_same_setup_reuses_the_measured_choice(tmp_path, pinned_speeds, caplog):
+    seconds, timed = pinned_speeds
+    seconds.update({True: 5.0, False: 5.0, "elementwise": 1.0})
+    first = make_trainer(tmp_path / "first")
+    first.train()
+    assert first.jit_compile == "elementwise"
+    probed = len(timed)
+    second = make_trainer(tmp_path / "second")
+    with caplog.at_level(logging.INFO):
+        second.train()
+    assert second.jit_compile == "elementwise" and len(timed) == probed  # Nothing timed.
+    assert any("as measured for this setup on this machine" in r.getMessage() for r in caplog.records)
+    assert resolved(tmp_path / "second") == {"jit_compile": "elementwise"}  # A resume keeps it.
+
+
+@pytest.mark.parametrize("change", [{"train.batch_size": 64}, {"precision.policy": "mixed_bfloat16"}])
+def test_a_changed_batch_or_policy_measures_again(tmp_path, pinned_speeds, change):
+    timed = pinned_speeds[1]
+    make_trainer(tmp_path / "first").train()
+    probed = len(timed)
+    make_trainer(tmp_path / "changed", **change).train()
+    assert len(timed) == 2 * probed
+
+
+def test_with_the_cache_off_every_workdir_measures(tmp_path, pinned_speeds, monkeypatch):
+    monkeypatch.setenv(compile_cache.CACHE_ENV, compile_cache.OFF)
+    timed = pinned_speeds[1]
+    make_trainer(tmp_path / "first").train()
+    probed = len(timed)
+    make_trainer(tmp_path / "second").train()
+    assert len(timed) == 2 * probed
+
+
+@pytest.mark.parametrize("explicit", [True, False, "elementwise"])
+def test_an_explicit_mode_is_never_overridden_by_the_cache(tmp_path, explicit):
+    trainer = make_trainer(tmp_path, jit_compile=explicit)
+    other = next(mode for mode in compile_mode.MODES if mode != explicit)
+    compile_cache.store(compile_cache.key_of(compile_cache.setup(trainer)), other, {})
+    assert compile_mode.choose(trainer) is False and trainer.jit_compile == explicit
+    trainer.train()
+    assert trainer.jit_compile == explicit
+
+
+@pytest.mark.parametrize("policy, flags, expected", [
+    ("mixed_bfloat16", "avx512f avx512_bf16", False), ("mixed_bfloat16", "avx2 amx_bf16", False),
+    ("mixed_bfloat16", "avx2 avx512f", True), ("mixed_float16", "avx512_bf16", True),
+    ("float32", "avx512_bf16 amx_bf16", True)])
+def test_a_short_run_takes_graph_mode_for_bfloat16_on_a_cpu_with_its_instructions(
+        tmp_path, monkeypatch, caplog, policy, flags, expected):
+    monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": flags})
+    trainer = make_trainer(tmp_path, **{"precision.policy": policy})
+    with caplog.at_level(logging.INFO):
+        assert compile_mode.choose(trainer) is False
+    assert trainer.jit_compile is expected
+    [line] = [r.getMessage() for r in caplog.records if "does not measure a run of" in r.getMessage()]
+    assert ("runs fastest on TensorFlow's kernels" in line) is (expected is False)

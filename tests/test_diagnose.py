@@ -12,12 +12,14 @@ import hot_experiment
 import keras
 import numpy as np
 import pytest
+import second_order_experiment
 import tensorflow as tf
 import tiny_experiment
 
 import mixloop
 from mixloop.cli import import_trainer
 from mixloop.engine.objective import SINGLE
+from mixloop.engine.step import forward
 from mixloop.errors import UserError
 from mixloop.runner.memory import PARTS, LighterOption, PersistentState
 from mixloop.tools import diagnose as diagnose_cli
@@ -313,6 +315,77 @@ def test_a_float32_policy_has_nothing_to_compare(tmp_path):
     trainer = make_trainer(tiny_experiment, tmp_path, **{"precision.policy": "float32"})
     with pytest.raises(UserError, match="computes in float32"):
         diagnose(trainer)
+
+
+def test_a_loss_that_runs_the_model_itself_is_measured_on_the_float32_twin(tmp_path):
+    """MAML's inner step over `self.model` inside compute_loss: the float32 pass runs it on the twin."""
+    trainer = make_trainer(second_order_experiment, tmp_path / "mixed")
+    model, policy = trainer.model, trainer.policy
+    report = diagnose(trainer, num_batches=1)
+
+    assert trainer.model is model and trainer.policy is policy
+    # The float32 gradients are those of the second-order loss in float32, by hand.
+    reference = make_trainer(second_order_experiment, tmp_path / "float32",
+                             **{"precision.policy": "float32"})
+    reference.model.set_weights(model.get_weights())
+    largest = np.zeros(len(report.variables))
+    features, labels = next(reference.train_iterator)  # The batch the doctor read, in two halves.
+    for micro_batch in zip(tf.split(features, 2), tf.split(labels, 2)):
+        with tf.GradientTape() as tape:
+            loss = reference.compute_loss(forward(reference.model, reference.policy, micro_batch[0],
+                                                  training=True), micro_batch)
+        grads = tape.gradient(loss, reference.model.trainable_variables)
+        largest = np.maximum(largest, [np.abs(g.numpy()).max() for g in grads])
+    np.testing.assert_allclose([v.max_abs for v in report.variables], largest, rtol=1e-5)
+    assert all(v.relative_error < 0.01 for v in report.variables)
+    assert report.advice.initial_scale is not None
+    assert "not needed" not in diagnose_cli.format_report(report)
+
+
+def test_a_loss_that_runs_the_model_past_self_model_is_not_measured(tmp_path):
+    trainer = make_trainer(second_order_experiment, tmp_path, "stray")
+    model, policy = trainer.model, trainer.policy
+    with pytest.raises(UserError) as raised:
+        diagnose(trainer, num_batches=1)
+
+    assert str(raised.value).startswith(
+        "the precision probe cannot measure objective 'model''s loss: compute_loss reaches the "
+        "trainer's model (dense/kernel, dense/bias, logits/kernel) other than through self.model")
+    assert "\n" not in str(raised.value)
+    assert trainer.model is model and trainer.policy is policy  # Put back on the error too.
+
+
+class PolicyReadingTrainer(tiny_experiment.TinyTrainer):
+    """A loss that differs between the doctor's passes on purpose: zero in float32 (it reads
+    `self.policy`), so its float32 gradients are all zero and its mixed ones are not."""
+
+    def compute_loss(self, outputs, batch):
+        factor = 0.0 if self.policy.compute_dtype == tf.float32 else 1.0
+        return factor * super().compute_loss(outputs, batch)
+
+
+def test_float32_gradients_all_zero_where_the_mixed_are_not_are_not_measured(tmp_path):
+    trainer = make_trainer(tiny_experiment, tmp_path, trainer=f"{__name__}.PolicyReadingTrainer")
+    with pytest.raises(UserError, match="cannot measure objective 'model''s loss: its gradients are "
+                                        "all zero in the float32 pass but not in the mixed one"):
+        diagnose(trainer, num_batches=1)
+
+
+class ZeroLossTrainer(tiny_experiment.TinyTrainer):
+    """A loss whose gradients are zero in exact arithmetic, in both passes."""
+
+    def compute_loss(self, outputs, batch):
+        return 0.0 * tf.reduce_mean(outputs)
+
+
+def test_zero_float16_gradients_advise_no_scale_and_never_call_it_not_needed(tmp_path):
+    report = diagnose(make_trainer(tiny_experiment, tmp_path, trainer=f"{__name__}.ZeroLossTrainer"),
+                      num_batches=1)
+    assert report.advice.initial_scale is None
+    text = diagnose_cli.format_report(report)
+    assert "not needed" not in text
+    assert ("initial scale:    none measured: no gradient left in float16 is nonzero in the probed "
+            "batches, so no scale can be read from them") in text
 
 
 def read_histograms(directory):

@@ -58,3 +58,20 @@ def test_an_objective_every_5_steps_gets_its_schedule_over_its_own_updates():
     for iterations, expected in [(10, 0.5), (20, 0.0)]:
         every_5.iterations.assign(iterations)
         assert float(every_5.learning_rate) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda config: mixloop.build_optimizer(config, every_steps=0), ValueError,
+     "mixloop.build_optimizer: every_steps=0 is not allowed: a positive integer, the every_steps "
+     "of the objective it updates (1: every step)"),
+    (lambda config: mixloop.build_optimizer(config.optimizer), TypeError,
+     "mixloop.build_optimizer: config is the config.optimizer section; pass the run's whole config "
+     "(self.config), whose optimizer section it reads with train.num_steps"),
+    (lambda config: mixloop.build_optimizer(None), TypeError,
+     "mixloop.build_optimizer: config is a NoneType; pass the run's whole config (self.config), "
+     "whose optimizer section it reads with train.num_steps"),
+], ids=["every_steps=0", "the optimizer section", "None"])
+def test_build_optimizer_refuses_what_it_cannot_read_in_one_line(call, error, message):
+    with pytest.raises(error) as raised:
+        call(base_config())
+    assert str(raised.value) == message

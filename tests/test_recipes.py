@@ -7,6 +7,7 @@ holding only `keras`, `tf`, `mixloop` and the names the page says it assumes (`M
 lines in docs/recipes.md.
 """
 
+import json
 import logging
 import os
 import re
@@ -23,7 +24,8 @@ from test_research import events
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "recipes.md")
 RECIPES = ("train-metric", "objectives", "cadence", "gradient-penalty", "batch-loss", "ema",
-           "ema-weights", "actions", "extra-state", "noise", "schedule", "frozen")
+           "ema-weights", "target-network", "weight-clipping", "actions", "action-metrics",
+           "extra-state", "noise", "float32-state", "schedule", "frozen")
 _RECIPE = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```(?P<language>\w+)\n(?P<code>.*?)^```",
                      re.S | re.M)
 
@@ -98,6 +100,26 @@ class MyGANTrainer(MyTrainer):
 
     def model_inputs(self, batch):
         return batch
+
+
+class MyTwoTowerTrainer(MyTrainer):
+    """The target-network recipe's `MyTrainer`: two MLPs alike, `online` and `target`; the online
+    one classifies and predicts the target's logits (no gradient into the target)."""
+
+    def build_model(self):
+        inputs = keras.Input((8,))
+        towers = {name: keras.Sequential([keras.layers.Dense(16, activation="tanh"),
+                                          keras.layers.Dense(3)], name=name)
+                  for name in ("online", "target")}
+        return keras.Model(inputs, {name: tower(inputs) for name, tower in towers.items()})
+
+    def compute_loss(self, outputs, batch):
+        online, target = outputs["online"], tf.stop_gradient(outputs["target"])
+        return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+            batch[1], online, from_logits=True) + tf.reduce_sum(tf.square(online - target), -1))
+
+    def eval_metrics(self, outputs, batch):
+        return {"loss": self.compute_loss(outputs, batch)}
 
 
 class MyTwoViewTrainer(MyTrainer):
@@ -311,6 +333,85 @@ def test_actions_write_text_at_eval_and_scalars_every_100_updates(tmp_path):
     np.testing.assert_allclose(written, norm, rtol=1e-5)
 
 
+def test_an_eval_time_actions_metric_joins_the_eval_summary(tmp_path, caplog):
+    trainer_class = run_recipe("action-metrics", MyTrainer=MyTrainer)["ScoredTrainer"]
+    trainer = make(trainer_class, tmp_path, jit_compile=False)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        metrics = trainer.train()
+    count = metrics["eval_classes_predicted"]
+    assert count in (1.0, 2.0, 3.0)
+    messages = [record.getMessage() for record in caplog.records]
+    assert [m for m in messages if m.startswith("eval at step 10:")
+            and f"classes_predicted {count:.4f}" in m]
+    assert [m for m in messages if m.startswith("Finished at step 10")
+            and f"classes_predicted {count:.4f}" in m.partition(" Eval: ")[2]]
+    assert events(str(tmp_path / "eval"))["classes_predicted"] == [(10, count)]
+
+
+DECAY, NUM_UPDATES = 0.99, 100  # The recipe's running mean: its decay, and the updates measured.
+
+
+class Float16RunningMean(keras.layers.Layer):
+    """The recipe's running mean as it reads without it: a plain weight, updated in float16."""
+
+    def build(self, input_shape):
+        self.mean = self.add_weight(shape=input_shape[-1:], initializer="zeros", trainable=False)
+
+    def call(self, inputs, training=False):
+        if training:
+            self.mean.assign(DECAY * self.mean + (1 - DECAY) * tf.reduce_mean(inputs, axis=0))
+        return inputs
+
+
+class ValueReader(keras.layers.Layer):
+    """Records the dtypes its call reads a plain weight in: itself and its `value`."""
+
+    def build(self, input_shape):
+        self.weight = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, inputs):
+        self.read = (tf.convert_to_tensor(self.weight).dtype.name, self.weight.value.dtype.name)
+        return inputs
+
+
+def running_mean(layer: keras.layers.Layer, batches: np.ndarray) -> np.ndarray:
+    """`layer`'s running mean after it is called in training on each of `batches`."""
+    for batch in batches:
+        layer(tf.constant(batch), training=True)
+    return layer.mean.numpy()
+
+
+def formula(batches: np.ndarray) -> np.ndarray:
+    """The running mean of `batches`' feature means in float64."""
+    mean = np.zeros(batches.shape[-1])
+    for batch in batches.astype(np.float64):
+        mean = DECAY * mean + (1 - DECAY) * batch.mean(0)
+    return mean
+
+
+def test_state_kept_float32_follows_its_formula_where_a_16_bit_read_drifts():
+    running_mean_class = run_recipe("float32-state")["RunningMean"]
+    batches = (0.3 + 0.05 * np.random.default_rng(0).normal(size=(NUM_UPDATES, 4, 256))).astype(
+        np.float32)
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        reader = ValueReader()
+        reader(tf.ones([1]))
+        assert reader.read == ("float16", "float16")  # Autocast: `value` too.
+        assert tf.convert_to_tensor(reader.weight).dtype == tf.float32  # Outside a call: float32.
+        layers = {"plain": Float16RunningMean(), "no_autocast": running_mean_class(),
+                  "float32": running_mean_class(dtype="float32")}
+        means = {name: running_mean(layer, batches) for name, layer in layers.items()}
+    finally:
+        keras.config.set_dtype_policy("float32")
+    exact, rounded_inputs = formula(batches), formula(batches.astype(np.float16))
+    per_update = np.abs(formula(batches[:-1]) - exact).mean()
+    np.testing.assert_allclose(means["float32"], exact, rtol=1e-6)
+    np.testing.assert_allclose(means["no_autocast"], rounded_inputs, rtol=1e-6)
+    drift = np.abs(means["plain"] - exact).max()
+    assert drift > per_update and drift > 1e-2 * np.abs(exact).min()  # The docs' 2.6e-3 and 1.4%.
+
+
 def test_extra_state_survives_a_stop_and_resume(tmp_path):
     trainer_class = run_recipe("extra-state", MyTrainer=MyTrainer)["CurriculumTrainer"]
     first = make(trainer_class, tmp_path, **{"train.num_steps": 10})
@@ -376,3 +477,76 @@ def test_frozen_layer_is_untouched_but_checkpointed_and_exported(tmp_path):
     exported = keras.saving.load_model(str(tmp_path / "model.keras"))
     exported_hidden = exported.get_layer("hidden").get_weights()
     np.testing.assert_array_equal(exported_hidden[0], initial["hidden"][0])
+
+
+def test_a_momentum_target_follows_each_applied_update_and_resumes_bit_identical(tmp_path):
+    """In mixed_float16 with 2 micro-batches and an overflow at update 3: after each update the
+    target is the EMA formula over the online weights of the updates applied (NumPy, float32), and
+    a run stopped at 3 and resumed ends bit-identical to a straight one."""
+    trainer_class = overflowing(run_recipe("target-network", MyTrainer=MyTwoTowerTrainer)[
+        "MomentumTargetTrainer"], at_update=3)
+
+    class Recorded(trainer_class):
+        def actions(self):
+            self.seen = []
+            return [mixloop.Action(self.record, every_steps=1)]
+
+        def record(self, step):
+            self.seen.append((int(self.objectives["model"].optimizer.iterations.numpy()),
+                              [v.numpy() for v in self.model.get_layer("online").weights],
+                              [v.numpy() for v in self.model.get_layer("target").weights]))
+
+    settings = {"precision.policy": "mixed_float16", "precision.initial_scale": 2.0**15,
+                "train.accumulation_steps": 2, "train.num_steps": 6, "eval.every_steps": 6,
+                "checkpoint.every_steps": 3, "jit_compile": False,
+                "precision.float32_layers": ""}  # No probe: it is not what this tests.
+    straight = make(Recorded, tmp_path / "straight", **settings)
+    expected = [v.numpy() for v in straight.model.get_layer("online").weights]
+    straight.train()
+    applied = 0
+    for iterations, online, target in straight.seen:
+        if iterations > applied:  # An applied update: the target took one step toward online.
+            expected = [np.float32(0.99) * t + np.float32(1.0 - 0.99) * o
+                        for t, o in zip(expected, online)]
+        applied = iterations
+        for actual, formula in zip(target, expected):
+            np.testing.assert_allclose(actual, formula, rtol=1e-7, atol=0)
+    assert [iterations for iterations, _, _ in straight.seen] == [1, 2, 2, 3, 4, 5]
+
+    make(Recorded, tmp_path / "resumed", **{**settings, "train.num_steps": 3}).train()
+    resumed = make(Recorded, tmp_path / "resumed", **settings)
+    resumed.train()
+    for a, b in zip(straight.model.variables, resumed.model.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_the_precision_probe_measures_a_target_network_frozen_in_build_objectives(tmp_path):
+    """The probe's float32 twin comes from `build_model` alone: without the model's trainable flags
+    its non-trainable variables did not pair with the model's (the target's kernel took a bias's
+    values: a ValueError at start)."""
+    class NormalizedTowers(MyTwoTowerTrainer):  # Non-trainable state: BatchNorm's statistics.
+        def build_model(self):
+            inputs = keras.Input((8,))
+            towers = {name: keras.Sequential([keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                                              keras.layers.Dense(3)], name=name)
+                      for name in ("online", "target")}
+            return keras.Model(inputs, {name: tower(inputs) for name, tower in towers.items()})
+
+    trainer_class = run_recipe("target-network", MyTrainer=NormalizedTowers)["MomentumTargetTrainer"]
+    trainer = make(trainer_class, tmp_path, **{"precision.policy": "mixed_float16",
+                                               "train.num_steps": 2, "jit_compile": False})
+    trainer.train()  # float32_layers and initial_scale "auto": the probe runs first.
+    report = json.loads((tmp_path / "precision" / "report-step-0.json").read_text())
+    gradients = {v["path"]: v["max_abs"] for v in report["variables"]}
+    assert gradients and all(not path.startswith("target/") for path in gradients)
+    assert all(value > 0 for value in gradients.values())
+
+
+def test_weight_clipping_keeps_the_critic_in_its_box_and_leaves_the_generator(tmp_path):
+    gan_trainer = run_recipe("objectives", MyTrainer=MyGANTrainer)["GANTrainer"]
+    trainer_class = run_recipe("weight-clipping", GANTrainer=gan_trainer)["ClippedCriticTrainer"]
+    trainer = make(trainer_class, tmp_path, **{"precision.policy": "mixed_bfloat16"})
+    trainer.train()
+    critic = [v.numpy() for v in trainer.model.discriminator.trainable_weights]
+    assert max(np.abs(w).max() for w in critic) == np.float32(0.01)  # Clipped, in float32.
+    assert max(np.abs(v.numpy()).max() for v in trainer.model.generator.trainable_weights) > 0.1

@@ -2,6 +2,7 @@
 (TensorBoard tags, checkpoints, resume, eval and export), on one and two replicas."""
 
 import glob
+import logging
 import os
 
 import keras
@@ -11,7 +12,9 @@ import tensorflow as tf
 import tiny_experiment
 
 import mixloop
+from mixloop.errors import UserError
 from mixloop.runner import guard
+from mixloop.runner.actions import returned_metrics
 
 OVERFLOW_STEPS = (3, 4, 5)  # 1-based updates whose batches make objective `b` overflow float16.
 
@@ -269,6 +272,60 @@ def test_eval_that_draws_noise_leaves_a_stopped_and_resumed_run_bit_identical(tm
     np.testing.assert_array_equal(before + [0, 2], seed_state.numpy())
 
 
+class ScoringTrainer(tiny_experiment.TinyTrainer):
+    """Actions that compute metrics: `fid` after each eval (a sample's score; here step / 4) and
+    `weight_norm` every 5 updates."""
+
+    def actions(self):
+        return [mixloop.Action(self.score, at_eval=True), mixloop.Action(self.norm, every_steps=5)]
+
+    def score(self, step):
+        return {"fid": step / 4}
+
+    def norm(self, step):
+        return {"weight_norm": tf.linalg.global_norm(self.model.trainable_weights)}
+
+
+def test_metrics_an_action_returns_join_the_eval_summary(tmp_path, caplog):
+    trainer = make(tmp_path, ScoringTrainer, **{"train.num_steps": 20, "eval.every_steps": 10,
+                                                "jit_compile": False, "precision.policy": "float32"})
+    with caplog.at_level(logging.INFO, logger="absl"):
+        metrics = trainer.train()
+
+    assert metrics["eval_fid"] == 5.0 and "eval_loss" in metrics
+    lines = [record.getMessage() for record in caplog.records]
+    eval_lines = [line for line in lines if line.startswith("eval at step")]
+    assert [line.split(":")[0] for line in eval_lines] == ["eval at step 10", "eval at step 20"]
+    assert "accuracy " in eval_lines[0] and "  fid 2.5000  loss " in eval_lines[0]
+    [finished] = [line for line in lines if line.startswith("Finished at step 20")]
+    assert "fid 5.0000" in finished.partition(" Eval: ")[2]
+    assert "weight_norm" not in finished  # An every-N action's metric goes to TensorBoard only.
+    assert events(str(tmp_path / "eval"))["fid"] == [(10, 2.5), (20, 5.0)]
+    assert [step for step, _ in events(str(tmp_path / "train"))["weight_norm"]] == [5, 10, 15, 20]
+
+
+@pytest.mark.parametrize("returned, message", [
+    ({"loss": 1.0}, "returned metric 'loss' at step 10, which the run reports already at that step; "
+                    "rename it"),
+    ({"loss_scale/a": 1.0}, "returned metric 'loss_scale/a' at step 10, which the framework writes "
+                            "itself; rename it"),
+    ({"fid": [1.0, 2.0]}, r"returned metric 'fid' at step 10: \[1.0, 2.0\] is not a real number"),
+    ({"fid": "low"}, "returned metric 'fid' at step 10: 'low' is not a real number"),
+    ({3: 1.0}, "returned metric 3 at step 10: a metric's name must be a non-empty string"),
+])
+def test_metrics_an_action_may_not_return_are_one_line(returned, message):
+    action = mixloop.Action(lambda step: returned, at_eval=True)
+    with pytest.raises(UserError, match="^action <lambda> \\(at eval\\) " + message):
+        returned_metrics(action, returned, 10, taken=["loss"], reserved=["loss_scale"])
+
+
+def test_what_else_an_action_returns_is_no_metric():
+    action = mixloop.Action(lambda step: True, every_steps=1)
+    assert returned_metrics(action, True, 1) == {} and returned_metrics(action, None, 1) == {}
+    assert returned_metrics(action, {"fid": np.float32(0.5), "n": tf.constant(3)}, 1) == {
+        "fid": 0.5, "n": 3.0}
+
+
 class WeightedLossTrainer(tiny_experiment.TinyTrainer):
     """Reads its research state in compute_loss: a loss weight a curriculum could change."""
 
@@ -301,9 +358,9 @@ def test_research_hooks_that_would_fail_later_are_one_line_at_construction(tmp_p
             stray.build((None, 8))
             return {"model": mixloop.Objective(stray, keras.optimizers.SGD(0.1))}
 
-    with pytest.raises(mixloop.errors.UserError, match=r"extra_state\(\)\['count'\] is a int"):
+    with pytest.raises(UserError, match=r"extra_state\(\)\['count'\] is a int"):
         make(tmp_path / "a", PlainNumberState)
-    with pytest.raises(mixloop.errors.UserError, match=r"not in build_model\(\)'s model"):
+    with pytest.raises(UserError, match=r"not in build_model\(\)'s model"):
         make(tmp_path / "b", OutsideObjective)
 
 
@@ -315,6 +372,6 @@ def test_a_bad_action_is_one_line_before_anything_is_written(tmp_path, arguments
             return [mixloop.Action(**arguments)]
 
     trainer = make(tmp_path, BadAction)
-    with pytest.raises(mixloop.errors.UserError, match="mixloop.Action needs a callable fn"):
+    with pytest.raises(UserError, match="mixloop.Action needs a callable fn"):
         trainer.train()
     assert not (tmp_path / "config.json").exists()

@@ -395,6 +395,59 @@ def test_constructor_rejects_bad_options_naming_them(kwargs, named):
         make_step(**kwargs)
 
 
+def python_loop_mse(sizes):
+    """`mse` summed example by example in a Python loop over the batch dimension, which must be a
+    static int; records each size the loss is traced with in `sizes`."""
+    def loss_fn(outputs, batch):
+        sizes.append((outputs.shape[0], batch[1].shape[0]))
+        total = 0.0
+        for row in range(batch[1].shape[0]):
+            total += tf.reduce_sum(tf.square(outputs[row] - batch[1][row]))
+        return total / batch[1].shape[0]
+    return loss_fn
+
+
+@pytest.mark.parametrize("replicas, accumulation_steps, batch_loss",
+                         [(1, 1, False), (1, 4, False), (2, 2, False), (2, 2, True)])
+def test_the_loss_sees_the_static_size_of_what_it_reads(replicas, accumulation_steps, batch_loss):
+    """Traced for its metric names and in the step alike, the loss reads its batch size as a
+    Python int: one micro-batch of one replica, or the global batch with the two passes; and it
+    trains as `mse` does."""
+    from mixloop.runner import distribution
+
+    strategy = distribution.make_strategy("mirrored") if replicas > 1 else tf.distribute.get_strategy()
+    sizes, steps, weights = [], {}, initial_weights()
+    for name, loss_fn in (("loop", python_loop_mse(sizes)), ("mse", mse)):
+        with strategy.scope():
+            steps[name] = make_step(loss_fn=loss_fn, weights=weights,
+                                    accumulation_steps=accumulation_steps, batch_loss=batch_loss)
+        x, y = regression_batch()
+        batches = tf.data.Dataset.from_tensors((x, y))
+        for batch in distribution.distribute(strategy, lambda: batches, BATCH_SIZE):
+            steps[name](batch)
+    seen = BATCH_SIZE if batch_loss else BATCH_SIZE // (replicas * accumulation_steps)
+    assert sizes and set(sizes) == {(seen, seen)}
+    for looped, plain in zip(steps["loop"].model.get_weights(), steps["mse"].model.get_weights()):
+        np.testing.assert_allclose(looped, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_failing_on_an_unknown_batch_dimension_is_one_line_naming_the_leaf():
+    """A leaf without a static batch dimension (lost in a map) reaches the loss as None: its
+    failure on it is one line naming that leaf, not TensorFlow's staging traceback."""
+    step = make_step(loss_fn=python_loop_mse([]))
+    spec = (tf.TensorSpec([BATCH_SIZE, NUM_INPUTS]), tf.TensorSpec([None, 1]))
+    with pytest.raises(mixloop.errors.UserError) as raised:
+        step.metric_names(spec)
+    loop_line = next(number for number, line in enumerate(open(__file__), 1)
+                     if "for row in range(batch[1].shape[0])" in line)
+    assert str(raised.value) == (
+        "compute_loss failed on a batch whose batch dimension is unknown (element [1] of shape "
+        "(None, 1)): TypeError: 'NoneType' object cannot be interpreted as an integer (at "
+        f"{__file__}:{loop_line}); give every element of the train data a static batch dimension "
+        "(batch with drop_remainder=True; after a map, set_shape), or read the batch size as "
+        "tf.shape(x)[0]")
+
+
 # 7: clipping acts on the unscaled, accumulated gradient.
 
 @JIT
@@ -675,7 +728,7 @@ def test_a_per_example_loss_vector_is_a_one_line_contract_error():
     step = make_step(loss_fn=lambda outputs, batch: tf.square(outputs - batch[1])[:, 0])
     with pytest.raises(TypeError, match=r"compute_loss must return a scalar mean, \(loss_sum, "
                                         r"weight\) or mixloop.Loss\(value, weight, metrics\) of "
-                                        r"scalars; the loss has shape \(None,\)"):
+                                        r"scalars; the loss has shape \(8,\)"):
         step(regression_batch())
 
 

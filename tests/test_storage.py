@@ -295,3 +295,81 @@ def test_a_full_disk_before_the_start_says_to_free_space(tmp_path, monkeypatch):
             pass
     assert str(raised.value) == (f"cannot write to the workdir {tmp_path / 'run'}: No space left on "
                                  "device; free some space or choose another --workdir")
+
+
+# ----- The workdir's lock and the probes' temporary folders -----
+
+
+def no_space(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device", kwargs.get("prefix", "lock"))
+
+
+def test_a_lock_a_full_disk_stops_half_written_is_removed(tmp_path, monkeypatch):
+    """Created, but its owner not written: left there, the next run would call it stale."""
+    from mixloop.runner import workdir as workdir_module
+
+    real_fdopen = os.fdopen
+
+    class FullFile:
+        def __init__(self, fd, mode):
+            self.file = real_fdopen(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            self.file.close()
+
+        def write(self, text):
+            no_space()
+
+    monkeypatch.setattr(workdir_module.os, "fdopen", FullFile)
+    with pytest.raises(UserError, match="No space left on device"):
+        with workdir_module.WorkdirLock(str(tmp_path)):
+            pass
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_the_probes_temporary_folders_a_kill_left_are_removed_at_the_next_start(tmp_path):
+    from mixloop.runner import workdir as workdir_module
+
+    for name in (".compile-probe-abc123", ".precision-probe-xyz"):
+        (tmp_path / name / "state").mkdir(parents=True)
+        (tmp_path / name / "state" / "ckpt.data").write_bytes(b"\0" * 1000)
+    (tmp_path / ".compile-probe-notes.txt").write_text("a file of the user's")  # Not a folder.
+    (tmp_path / "checkpoints").mkdir()
+    with workdir_module.WorkdirLock(str(tmp_path)):
+        assert sorted(os.listdir(tmp_path)) == [".compile-probe-notes.txt", ".lock", "checkpoints"]
+
+
+@pytest.mark.parametrize("prefix", [".compile-probe-", ".precision-probe-"])
+def test_a_probe_folder_a_full_disk_refuses_is_one_line(tmp_path, monkeypatch, prefix):
+    from mixloop.runner import workdir as workdir_module
+
+    monkeypatch.setattr(workdir_module.tempfile, "TemporaryDirectory", no_space)
+    with pytest.raises(UserError) as raised:
+        workdir_module.scratch_folder(str(tmp_path), prefix)
+    assert str(raised.value) == (f"cannot write to the workdir {tmp_path}: No space left on device "
+                                 f"({prefix}); free some space or choose another --workdir")
+
+
+def test_a_full_disk_at_the_compile_probe_is_one_line_and_leaves_no_lock(tmp_path, monkeypatch):
+    from mixloop.runner import compile_mode
+    from mixloop.runner import workdir as workdir_module
+
+    real = workdir_module.tempfile.TemporaryDirectory
+
+    def no_space_for_probes(*args, **kwargs):  # The iterator's own temporary folder is elsewhere.
+        return (no_space if kwargs.get("prefix") in workdir_module.SCRATCH_PREFIXES else real)(
+            *args, **kwargs)
+
+    monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
+    monkeypatch.setattr(workdir_module.tempfile, "TemporaryDirectory", no_space_for_probes)
+    config = tiny_experiment.get_config()
+    config.precision.policy = "float32"  # The compile probe alone.
+    with pytest.raises(UserError, match=r"^cannot write to the workdir .*: No space left on device "
+                                        r"\(\.compile-probe-\); free some space"):
+        tiny_experiment.TinyTrainer(config, str(tmp_path)).train()
+    assert not (tmp_path / ".lock").exists() and not (tmp_path / "checkpoints").exists()

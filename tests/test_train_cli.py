@@ -18,6 +18,9 @@ FAULTY_CONFIG = os.path.join(TESTS_DIR, "faulty_experiment.py")
 # The line of hooks_experiment.py whose RuntimeError a failing action raises.
 ACTION_RAISES_AT = next(number for number, line in enumerate(open(HOOKS_CONFIG), 1)
                         if "raise RuntimeError" in line)
+# The line of hooks_experiment.py where its Python-loop loss reads the batch size.
+LOSS_LOOPS_AT = next(number for number, line in enumerate(open(HOOKS_CONFIG), 1)
+                     if "for row in range(labels.shape[0])" in line)
 EMPTY_TRAIN = ("the train dataset is empty: build_datasets() returned one with no batches (batched "
                "with drop_remainder=True, fewer than config.train.batch_size={} examples make none)")
 CONFIG_ADVICE = ("the experiment's ml_collections.ConfigDict (start from "
@@ -36,6 +39,14 @@ def test_trains_end_to_end_with_default_workdir(tmp_path):
     assert "step 20/20" in result.stderr and "eval at step 20" in result.stderr
     workdir = tmp_path / "runs" / "tiny_experiment"
     assert {"config.json", "checkpoints", "model.keras"} <= set(os.listdir(workdir))
+
+
+def test_a_loss_looping_over_its_batch_in_python_trains(tmp_path):
+    """compute_loss reads its micro-batch size as a Python int (mixed_float16's probe included)."""
+    result = run_cli(f"--config={HOOKS_CONFIG}", "--config.model.python_loop_loss=True",
+                     "--config.train.num_steps=4", f"--workdir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "step 4/4" in result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +83,7 @@ def trained_workdir(tmp_path_factory):
      "config.precision.float32_layers='dense_typo' fully matches no layer path; paths look like: "),
     ([f"--config={TINY_CONFIG}", "--config.model.per_example_loss=True"],
      "compute_loss must return a scalar mean, (loss_sum, weight) or mixloop.Loss(value, weight, "
-     "metrics) of scalars; the loss has shape (None,)"),
+     "metrics) of scalars; the loss has shape (16,)"),  # A micro-batch of 32 / 2.
     ([f"--config={TINY_CONFIG}", "stray"],
      "unexpected argument 'stray': the command takes only flags (--config=PATH[:VARIANT], "
      "--workdir=DIR, --config.KEY=VALUE)"),
@@ -119,6 +130,13 @@ def bad_configs(tmp_path_factory):
      "objectives 'a' and 'b' both train logits/kernel: a variable belongs to one objective (two "
      "would each apply their own optimizer's update to it every step); give them layers that share "
      "no weights, or make one objective whose loss adds both"),
+    ([f"--config={HOOKS_CONFIG}", "--config.model.python_loop_loss=True",
+      "--config.model.unknown_label_batch=True"],
+     "compute_loss failed on a batch whose batch dimension is unknown (element [1] of shape "
+     "(None,)): TypeError: 'NoneType' object cannot be interpreted as an integer (at "
+     f"{HOOKS_CONFIG}:{LOSS_LOOPS_AT}); give every element of the train data a static batch "
+     "dimension (batch with drop_remainder=True; after a map, set_shape), or read the batch size "
+     "as tf.shape(x)[0]"),
     (["--config={configs}/no_get_config.py"],
      f"config file '{{configs}}/no_get_config.py' defines no get_config(); define "
      f"get_config(arg=None) returning {CONFIG_ADVICE}"),
@@ -128,9 +146,12 @@ def bad_configs(tmp_path_factory):
     (["--config={configs}/a_folder", "--config.train.num_steps=3"],
      "config file '{configs}/a_folder' is a folder; --config=PATH[:VARIANT] names a Python file "
      "that defines get_config(arg=None), such as experiments/digits.py"),
+    ([f"--config={HOOKS_CONFIG}:own_dict"],
+     "config.checkpoint is missing: the config must hold every framework key; start get_config() "
+     "from mixloop.config.base_config() and change what the experiment needs"),
 ], ids=["empty train set", "empty train set not repeated", "objective without variables",
-        "one layer in two objectives", "no get_config", "get_config returns None",
-        "config a folder"])
+        "one layer in two objectives", "a loss looping over an unknown batch", "no get_config", "get_config returns None",
+        "config a folder", "a plain dict of its own"])
 def test_a_mistake_in_the_experiment_is_one_line_before_anything_is_written(
         tmp_path, bad_configs, args, message):
     workdir = tmp_path / "run"
@@ -395,3 +416,57 @@ def test_an_export_without_get_config_is_one_whole_line_saying_what_to_add(tmp_p
         "self.width}`, and register it with @keras.saving.register_keras_serializable() (as "
         "gan_digits' GAN).")
     assert not (tmp_path / "model.keras").exists()
+
+
+MISUSE_CONFIG = os.path.join(TESTS_DIR, "misuse_experiment.py")
+
+
+def misuse_line(misuse):
+    """'(at <misuse_experiment.py>:<line>)': where the penalty for `misuse` calls the helper."""
+    lines = open(MISUSE_CONFIG).read().splitlines()
+    start = lines.index(f'        if misuse == "{misuse}":')
+    return f"(at {MISUSE_CONFIG}:{start + 2})"
+
+
+HELPER_ADVICE = "; check the config values it reads (set on the command line: model.misuse={})"
+
+
+@pytest.mark.parametrize("misuse, message", [
+    ("policy_string", "TypeError: mixloop.forward: policy='mixed_float16' is a str, not a "
+     "mixloop.Policy; pass self.policy (the run's), or mixloop.Policy.from_string(...)"),
+    ("no_training", "TypeError: mixloop.forward: training=None; pass training=True (dropout and "
+     "BatchNorm as in training, inside compute_loss) or training=False"),
+    ("unrelated_input", "ValueError: mixloop.input_gradients: fn's output does not depend on "
+     "inputs; fn must run the model on the tensor it is given (lambda x: mixloop.forward(model, "
+     "self.policy, x, training=True)), not on another"),
+    ("integer_inputs", "TypeError: mixloop.input_gradients: inputs of dtype int32 have no "
+     "gradient; pass floating inputs (for integer ids, differentiate with respect to their "
+     "embeddings)"),
+    ("dict_fn", "TypeError: mixloop.input_gradients: fn returned a dict (keys ['score']); return "
+     "the one output to differentiate (lambda x: model(x)['score'])"),
+    ("zero_scale", "ValueError: mixloop.input_gradients: scale=0 is not allowed: a positive finite "
+     "number (the inner backward's loss scale; 1 for none)"),
+])
+def test_a_public_helper_misused_in_a_traced_loss_is_one_line(tmp_path, misuse, message):
+    result = run_cli(f"--config={MISUSE_CONFIG}", f"--config.model.misuse={misuse}",
+                     f"--workdir={tmp_path}")
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert error_lines(result) == [f"error: compute_loss() failed: {message} {misuse_line(misuse)}"
+                                   + HELPER_ADVICE.format(misuse)], result.stderr
+    assert not (tmp_path / ".lock").exists() and not checkpoint_steps(tmp_path)
+
+
+def test_an_output_that_is_not_batch_shaped_under_batch_loss_is_one_line(tmp_path):
+    """A batch mean of the logits ([3]) would reach the loss of 2 micro-batches joined ([6])."""
+    result = run_cli(f"--config={MISUSE_CONFIG}", "--config.model.misuse=batch_mean",
+                     "--config.train.batch_loss=True", f"--workdir={tmp_path}")
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert error_lines(result) == [
+        "error: train.batch_loss: model output mean has shape (3,), whose first dimension is not "
+        "the micro-batch size 16; the loss over the whole batch would read it joined over 2 "
+        "micro-batches, laid end to end; make every model output batch-shaped ([batch, ...]: take "
+        "a statistic over the batch, such as a mean, in compute_loss instead), or set "
+        "train.batch_loss=False"], result.stderr
+    assert not (tmp_path / ".lock").exists() and not checkpoint_steps(tmp_path)

@@ -239,3 +239,21 @@ def test_the_readme_snippet_reads_the_train_scalars(tmp_path):
     namespace = {}
     exec(snippet.replace('"runs/charlm/train"', repr(str(tmp_path / "train"))), namespace)
     assert namespace["loss"] == read_events(str(tmp_path / "train"))["loss"]
+
+
+class RareObjectiveTrainer(tiny_experiment.TinyTrainer):
+    """TinyTrainer whose one objective is updated every 1000 steps."""
+
+    def build_objectives(self):
+        return {"model": mixloop.Objective(self.model, mixloop.build_optimizer(
+            self.config, every_steps=1000), every_steps=1000)}
+
+
+def test_an_objective_that_never_updates_in_the_run_is_warned_of_in_one_line(tmp_path, caplog):
+    caplog.set_level("WARNING")
+    config = tiny_experiment.get_config()  # 40 steps.
+    config.precision.policy = "float32"
+    RareObjectiveTrainer(config, str(tmp_path))
+    assert [r.getMessage() for r in caplog.records if "never updates" in r.getMessage()] == [
+        "Objective 'model' never updates in this run: every_steps=1000 is more than "
+        "train.num_steps=40; lower its every_steps or raise train.num_steps"]

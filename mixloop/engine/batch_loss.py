@@ -21,11 +21,61 @@ this module holds what they compute on the whole batch.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
+import keras
 import tensorflow as tf
 
 from mixloop.engine.loss import Loss, as_losses, per_weight
+from mixloop.errors import UserError
+
+_BATCH_SHAPED_ADVICE = ("make every model output batch-shaped ([batch, ...]: take a statistic over "
+                        "the batch, such as a mean, in compute_loss instead), or set "
+                        "train.batch_loss=False")
+
+
+def batch_shaped(outputs: Any, num_rows: Any, joined: str) -> Any:
+    """`outputs` (one micro-batch's, of `num_rows` rows: an int, or a scalar tensor where the
+    batch dimension is unknown) once each leaf's first dimension is checked to be `num_rows`: the
+    two passes join outputs along it (`joined`: over what), so an output of another shape (a
+    batch mean of shape [3]) would reach the loss as the pieces laid end to end ([6]), a loss
+    on something else than the whole batch's.
+
+    Raises:
+      UserError: at trace time, where the shapes are static, naming the output and its shape;
+        otherwise the check is an assertion (InvalidArgumentError with the same line when run).
+    """
+    checked = []
+    for path, leaf in keras.tree.flatten_with_path(outputs):
+        message = _not_batch_shaped(path, leaf.shape, num_rows, joined)
+        size = _first_dimension(leaf.shape)
+        if size == 0 or (isinstance(num_rows, int) and size is not None):
+            if size != num_rows:  # A scalar has no rows to join.
+                raise UserError(message)
+            checked.append(leaf)
+            continue
+        assertion = tf.debugging.assert_equal(tf.shape(leaf)[0], tf.cast(num_rows, tf.int32),
+                                              message=message)
+        with tf.control_dependencies([assertion]):
+            checked.append(tf.identity(leaf))
+    return tf.nest.pack_sequence_as(outputs, checked)
+
+
+def _first_dimension(shape: tf.TensorShape) -> Optional[int]:
+    """The static first dimension of `shape`; 0 for a scalar's; None where it is unknown."""
+    if shape.rank is None:
+        return None
+    return shape[0] if shape.rank else 0
+
+
+def _not_batch_shaped(path: tuple, shape: tf.TensorShape, num_rows: Any, joined: str) -> str:
+    """The line refusing the output at `path` of `shape` in a micro-batch of `num_rows` rows
+    (without quotes, which an assertion's message would show escaped)."""
+    name = f"model output {'/'.join(map(str, path))}" if path else "the model output"
+    size = f" {num_rows}" if isinstance(num_rows, int) else ""
+    return (f"train.batch_loss: {name} has shape {shape}, whose first dimension is not the "
+            f"micro-batch size{size}; the loss over the whole batch would read it {joined}, laid "
+            f"end to end; {_BATCH_SHAPED_ADVICE}")
 
 
 def gather_replicas(tree: Any) -> Any:
@@ -34,7 +84,16 @@ def gather_replicas(tree: Any) -> Any:
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return tree
-    return tf.nest.map_structure(lambda t: context.all_gather(t, axis=0), tree)
+    return tf.nest.map_structure(lambda t: _gathered(context, t), tree)
+
+
+def _gathered(context: tf.distribute.ReplicaContext, tensor: tf.Tensor) -> tf.Tensor:
+    """Every replica's rows of `tensor`, with the static batch dimension the all-gather forgets
+    (replicas x rows), so a loss may loop over it in Python."""
+    gathered = context.all_gather(tensor, axis=0)
+    if tensor.shape.rank and tensor.shape[0] is not None:
+        gathered.set_shape([tensor.shape[0] * context.num_replicas_in_sync, *tensor.shape[1:]])
+    return gathered
 
 
 def replica_rows(tree: Any, num_rows: int) -> Any:

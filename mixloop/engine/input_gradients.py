@@ -12,8 +12,9 @@ them. `scale` lifts them further from float16's flush-to-zero range where they a
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Mapping
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -33,9 +34,45 @@ def input_gradients(fn: Callable[[tf.Tensor], tf.Tensor], inputs: tf.Tensor, *,
         example's gradient is that of its own output.
       inputs: a floating tensor; float32 (what the step hands `compute_loss`) keeps the result float32.
       scale: the inner backward's loss scale; 1 (none) by default.
+
+    Raises:
+      TypeError: for integer inputs (no gradient) or an `fn` that returns something other than
+        one floating tensor (a dict of outputs: pick the one to differentiate).
+      ValueError: for a `scale` that is not a positive finite number, or an `fn` whose output
+        does not depend on `inputs` (it ran the model on something else).
     """
+    _check_scale(scale)
     inputs = tf.convert_to_tensor(inputs)
+    if not inputs.dtype.is_floating:
+        raise TypeError(f"mixloop.input_gradients: inputs of dtype {inputs.dtype.name} have no "
+                        "gradient; pass floating inputs (for integer ids, differentiate with "
+                        "respect to their embeddings)")
     with tf.GradientTape() as tape:
         tape.watch(inputs)
-        total = tf.reduce_sum(tf.cast(fn(inputs), tf.float32)) * scale
-    return tf.cast(tape.gradient(total, inputs), tf.float32) / scale
+        total = tf.reduce_sum(tf.cast(_one_tensor(fn(inputs)), tf.float32)) * scale
+    grads = tape.gradient(total, inputs)
+    if grads is None:
+        raise ValueError("mixloop.input_gradients: fn's output does not depend on inputs; fn must "
+                         "run the model on the tensor it is given (lambda x: mixloop.forward(model, "
+                         "self.policy, x, training=True)), not on another")
+    return tf.cast(grads, tf.float32) / scale
+
+
+def _check_scale(scale: Any) -> None:
+    """Refuses a `scale` known to be zero, negative, inf or NaN: dividing by it afterwards would
+    make the gradient inf or NaN, and the run diverge for a reason float16 has no part in."""
+    value = tf.get_static_value(scale)
+    if value is not None and not (np.ndim(value) == 0 and np.isfinite(value) and value > 0):
+        raise ValueError(f"mixloop.input_gradients: scale={value!r} is not allowed: a positive "
+                         "finite number (the inner backward's loss scale; 1 for none)")
+
+
+def _one_tensor(output: Any) -> tf.Tensor:
+    """`output` as the one floating tensor to differentiate."""
+    if isinstance(output, Mapping):
+        raise TypeError(f"mixloop.input_gradients: fn returned a dict (keys {sorted(output)}); "
+                        "return the one output to differentiate (lambda x: model(x)['score'])")
+    if not tf.is_tensor(output) and not isinstance(output, (float, np.ndarray)):
+        raise TypeError(f"mixloop.input_gradients: fn returned a {type(output).__name__}; return "
+                        "the one output tensor to differentiate")
+    return output

@@ -7,6 +7,10 @@ is applied or skipped on its own (PyTorch's per-optimizer skip) and, in float16,
 backs off on its own overflows only (apex's `num_losses`): a generator overflow does not throw away
 the discriminator's update. An objective with `every_steps=N` (a WGAN's generator, updated once per
 N critic updates) is updated on steps N, 2N, ... only.
+
+An update that is not a gradient (a momentum target network following the online one, weight
+clipping, a norm projection) is the objective's `after_update`: traced into the compiled step, it
+runs once per applied update, right after the optimizer, on the float32 master weights.
 """
 
 from __future__ import annotations
@@ -38,12 +42,23 @@ class Objective:
         computed from the shared forward pass (and reported), but its gradient is not: its
         variables, optimizer (iterations, slots, schedule), loss scale, EMA and skip counters stay
         as they are, and its layer's non-trainable state keeps what the forward pass did to it.
+      after_update: None, or a function of no arguments that the compiled step calls once per
+        applied update of this objective, right after the optimizer applied it and before the EMA
+        (`train.ema_decay`) advances: never per micro-batch, never on a skipped update, never for
+        a retried attempt (`precision.overflow_retries`). It writes with `variable.assign(...)`
+        and runs outside every layer call, so its reads are the float32 master weights (inside a
+        16-bit layer's `call` Keras would autocast them, `.value` included), and in cross-replica
+        context: each assign writes one value to every replica. What it writes must be variables
+        made beforehand that a checkpoint holds (the model's, or `Trainer.extra_state`'s), for a
+        resume to be bit-identical. For a schedule, read `optimizer.iterations` (the applied
+        updates, this one included).
     """
 
     layer: keras.layers.Layer
     optimizer: keras.optimizers.Optimizer
     loss_scale: Optional[LossScale] = None
     every_steps: int = 1
+    after_update: Optional[Callable[[], object]] = None
 
     @property
     def variables(self) -> list:
@@ -69,8 +84,9 @@ def check_objectives(objectives: Mapping[str, Objective]) -> None:
     Raises:
       UserError: for no objective, a name that is not an identifier (names become TensorBoard tags
         and variable names), something that is not an `Objective`, one optimizer in two, an
-        objective with no trainable variable, a variable two objectives train, or an
-        `every_steps` that is not a whole number of at least 1.
+        objective with no trainable variable, a variable two objectives train, an
+        `every_steps` that is not a whole number of at least 1, or an `after_update` that is not
+        callable.
     """
     if not objectives:
         raise UserError("build_objectives() returned no objective; return at least one")
@@ -86,6 +102,9 @@ def check_objectives(objectives: Mapping[str, Objective]) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise UserError(f"objective {name!r} has every_steps={every!r}; it must be a whole "
                             f"number of at least 1 (1: updated on every step)")
+        if objective.after_update is not None and not callable(objective.after_update):
+            raise UserError(f"objective {name!r} has after_update={objective.after_update!r}; it "
+                            f"must be a function of no arguments (or None)")
         shared = optimizers.setdefault(id(objective.optimizer), name)
         if shared != name:
             raise UserError(f"objectives {shared!r} and {name!r} share one optimizer instance; give "

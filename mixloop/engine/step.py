@@ -14,8 +14,8 @@ The order of operations, once per call (a model with one loss has one objective)
     per objective due at this step:
         average its gradients by its total weight; check finiteness once; take the global norm;
             clip the true (unscaled) gradient
-        apply the update to its float32 master weights (and advance its EMA), or skip it and roll
-            back its layer's non-trainable state
+        apply the update to its float32 master weights, run its `after_update` (a target network,
+            a projection) and advance its EMA; or skip it and roll back its layer's non-trainable state
         adjust its loss scale
     count the step; report float32/bool metrics
     if every update due was skipped for an overflow the backed-off scales may cure
@@ -47,6 +47,7 @@ from mixloop.engine.loss import Loss, LossContractError, as_losses, per_weight
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, LossScale, leaves_finite
 from mixloop.engine.objective import SINGLE, Objective, check_objectives, with_loss_scales
 from mixloop.engine.policy import Policy
+from mixloop.errors import UserError, described
 
 Batch = Any
 
@@ -80,11 +81,52 @@ def micro_batch_at(micro_batches: Batch, index: tf.Tensor) -> Batch:
     return tf.nest.map_structure(lambda t: t[index], micro_batches)
 
 
-def forward(model: keras.Model, policy: Policy, inputs: Any, *, training: bool) -> Any:
+def _batch_divided(spec: tf.TensorSpec, num_slices: int) -> tf.TensorSpec:
+    """`spec` with its batch (first) dimension divided by `num_slices`: unknown where it is
+    unknown or does not divide; a scalar's as it is."""
+    if not spec.shape.rank:
+        return spec
+    size = spec.shape[0]
+    sliced = size // num_slices if size is not None and size % num_slices == 0 else None
+    return tf.TensorSpec([sliced, *spec.shape[1:]], spec.dtype)
+
+
+def _unknown_batch_leaf(spec: Any) -> Optional[str]:
+    """'element [1] of shape (None, 3)': the first leaf of `spec` whose batch dimension is
+    unknown, or None when every leaf knows it."""
+    for path, leaf in keras.tree.flatten_with_path(spec):
+        if leaf.shape.rank and leaf.shape[0] is None:
+            place = "".join(f"[{key!r}]" for key in path)
+            return f"element {place} of shape {leaf.shape}" if place else f"shape {leaf.shape}"
+    return None
+
+
+def forward(model: keras.Model, policy: Policy, inputs: Any, *,
+            training: Optional[bool] = None) -> Any:
     """The model on `inputs` in `policy`: floating inputs cast to the compute dtype, floating outputs
     to the output dtype (float32), which is what a loss reads. The step, eval, the doctor and the
-    benchmark all run the model through here."""
+    benchmark all run the model through here.
+
+    Raises:
+      TypeError: when `policy` is not a `Policy` (a string such as "mixed_float16"), `training` is
+        not given as True or False, or `model` is not callable: one line, even from a traced loss.
+    """
+    _check_forward_arguments(model, policy, training)
     return policy.cast_to_output(model(policy.cast_to_compute(inputs), training=training))
+
+
+def _check_forward_arguments(model: Any, policy: Any, training: Any) -> None:
+    """Refuses what `forward` cannot run, in a line that names the argument and what to pass."""
+    if not isinstance(policy, Policy):
+        raise TypeError(f"mixloop.forward: policy={policy!r} is a {type(policy).__name__}, not a "
+                        "mixloop.Policy; pass self.policy (the run's), or "
+                        "mixloop.Policy.from_string(...)")
+    if not isinstance(training, bool):
+        raise TypeError(f"mixloop.forward: training={training!r}; pass training=True (dropout and "
+                        "BatchNorm as in training, inside compute_loss) or training=False")
+    if not callable(model):
+        raise TypeError(f"mixloop.forward: model is a {type(model).__name__}, not a Keras model "
+                        "or layer; pass the model to run (self.model, or a layer of it)")
 
 
 class TrainStep:
@@ -113,8 +155,9 @@ class TrainStep:
     and the micro-batch, so that a resumed run rounds as the straight one did; the accumulated
     gradient reaches the all-reduce and the update in float32.
 
-    With `ema_decay` > 0, each applied update also advances an `ExponentialMovingAverage` of that
-    objective's weights (`self.ema[name]`).
+    After each applied update of an objective, its `after_update` runs (a momentum target network,
+    weight clipping: see `Objective`), then, with `ema_decay` > 0, an `ExponentialMovingAverage`
+    of its weights (`self.ema[name]`) advances.
 
     With `batch_loss=True`, `loss_fn` sees the outputs of the whole global batch (every micro-batch
     and replica; each output's first dimension must be the batch) and the whole batch, and the
@@ -267,8 +310,7 @@ class TrainStep:
             (raised here, before tracing, where TensorFlow would wrap it in its staging error).
         """
         if self._traced_metric_names is None:
-            self.metric_names(tf.nest.map_structure(
-                lambda t: tf.TensorSpec(self._first_replica(t).shape, self._first_replica(t).dtype), batch))
+            self.metric_names(tf.nest.map_structure(self._global_spec, batch))
         if not self.overflow_retries:
             report = self._compiled(batch)
             for objective_report in report["objectives"].values():
@@ -436,7 +478,7 @@ class TrainStep:
             return self._micro_step(batch, step_number)
         micro_batches = split_micro_batches(batch, self.accumulation_steps)
 
-        names = self.metric_names(tf.nest.map_structure(
+        names = self._loss_metric_names(tf.nest.map_structure(
             lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro_batches))
         zeros = (self._no_gradients(self.accumulation_dtype),
                  {name: _weighted_sums(Loss(0.0, 0.0, {metric: 0.0 for metric in names[name]}))
@@ -497,8 +539,15 @@ class TrainStep:
 
     def _forward_micro_batch(self, micro_batches: Batch, index: tf.Tensor) -> Any:
         """The first pass on micro-batch `index`: the float32 outputs of a forward without a tape."""
-        inputs = self.input_fn(micro_batch_at(micro_batches, index))
-        return forward(self.model, self.policy, inputs, training=True)
+        micro_batch = micro_batch_at(micro_batches, index)
+        outputs = forward(self.model, self.policy, self.input_fn(micro_batch), training=True)
+        return global_batch.batch_shaped(outputs, _num_rows(micro_batch), self._joined_over())
+
+    def _joined_over(self) -> str:
+        """'joined over 2 micro-batches and 2 replicas': what the two passes join outputs over."""
+        counts = {"micro-batches": self.accumulation_steps,
+                  "replicas": self.strategy.num_replicas_in_sync}
+        return "joined over " + " and ".join(f"{n} {what}" for what, n in counts.items() if n > 1)
 
     def _add_backward(self, micro_batches: Batch, output_grads: dict, index: tf.Tensor,
                       step_number: tf.Tensor, accumulated: dict) -> dict:
@@ -577,12 +626,41 @@ class TrainStep:
                 tf.nest.map_structure(tf.add, accumulated[1], sums))
 
     def metric_names(self, batch_spec: Any) -> dict[str, list[str]]:
-        """Per objective, the names of the metrics `loss_fn` returns beside its loss, for batches of
-        `batch_spec` (a structure of `tf.TensorSpec`; the batch dimension is ignored).
+        """Per objective, the names of the metrics `loss_fn` returns beside its loss, for global
+        batches of `batch_spec` (a structure of `tf.TensorSpec`).
 
         Loops that carry the metrics must know them before they trace their body, so the forward
-        pass and the loss are traced once more on their own (never run) to read them.
+        pass and the loss are traced once more on their own (never run) to read them, on the
+        shapes the step will give them (`loss_batch_spec`): a loss may loop over its batch
+        dimension in Python (`range(x.shape[0])`).
+
+        Raises:
+          LossContractError: when `loss_fn` returns what `as_losses` cannot read.
+          UserError: when `loss_fn` fails on a batch whose batch dimension is unknown (a leaf of
+            the data without a static one), naming that leaf.
         """
+        return self._loss_metric_names(self.loss_batch_spec(batch_spec))
+
+    def loss_batch_spec(self, batch_spec: Any) -> Any:
+        """What `loss_fn` sees of global batches of `batch_spec`: the whole batch with the two
+        passes (`batch_loss`), else one micro-batch of one replica, whose batch dimension is the
+        global one divided by replicas x `accumulation_steps` (unknown where the global one is)."""
+        if self.two_pass:
+            return batch_spec
+        num_slices = self.strategy.num_replicas_in_sync * self.accumulation_steps
+        return tf.nest.map_structure(lambda spec: _batch_divided(spec, num_slices), batch_spec)
+
+    def _global_spec(self, value: Any) -> tf.TensorSpec:
+        """The spec of the global batch's leaf a distributed `value` holds one replica's slice of."""
+        local = self._first_replica(value)  # A tensor, or a NumPy array called with.
+        shape = tf.TensorShape(local.shape)
+        if shape.rank and shape[0] is not None:
+            shape = [shape[0] * self.strategy.num_replicas_in_sync, *shape[1:]]
+        return tf.TensorSpec(shape, tf.as_dtype(local.dtype))
+
+    def _loss_metric_names(self, loss_spec: Any) -> dict[str, list[str]]:
+        """`metric_names`, from a trace of the forward pass and `loss_fn` on a batch of
+        `loss_spec` (what the loss sees: see `loss_batch_spec`), once; then as it found them."""
         if self._traced_metric_names is None:
             names, errors = {}, []
 
@@ -595,9 +673,17 @@ class TrainStep:
                     return
                 names.update({name: list(loss.metrics) for name, loss in losses.items()})
 
-            spec = tf.nest.map_structure(
-                lambda s: tf.TensorSpec([None, *s.shape[1:]], s.dtype), batch_spec)
-            tf.function(forward_and_loss).get_concrete_function(spec)
+            try:
+                tf.function(forward_and_loss).get_concrete_function(loss_spec)
+            except (TypeError, ValueError) as error:
+                unknown = _unknown_batch_leaf(loss_spec)
+                if unknown is None:
+                    raise
+                raise UserError(
+                    f"compute_loss failed on a batch whose batch dimension is unknown ({unknown}): "
+                    f"{described(error)}; give every element of the train data a static batch "
+                    f"dimension (batch with drop_remainder=True; after a map, set_shape), or read "
+                    f"the batch size as tf.shape(x)[0]") from None
             if errors:
                 raise errors[0]
             self._traced_metric_names = names
@@ -630,13 +716,18 @@ class TrainStep:
         return grads, {name: _weighted_sums(loss) for name, loss in losses.items()}
 
     def _apply(self, name: str, grads: list) -> tf.Tensor:
-        """Applies one objective's (per-replica) gradients to its float32 master weights on every replica."""
+        """Applies one objective's (per-replica) gradients to its float32 master weights on every
+        replica, then its `after_update` and its EMA."""
         # Variables the loss does not reach are left alone, as `model.fit` leaves them: no update,
         # no weight decay, no moment decay.
         used = [not unused for unused in self.unused_variables[name]]
         objective = self.objectives[name]
         self.strategy.run(objective.optimizer.apply, args=(
             _select(grads, used), _select(objective.variables, used)))
+        if objective.after_update is not None:
+            # Here in cross-replica context, outside any layer call: it reads the float32 master
+            # weights (not Keras's autocast copies) and each assign writes every replica alike.
+            objective.after_update()
         if self.ema:
             self.ema[name].update()
         return tf.constant(True)
@@ -665,6 +756,12 @@ def _weighted_sums(loss: Loss) -> dict[str, Any]:
     micro-batches and replicas, and to divide by the total weight at the end."""
     return {"loss": loss.value, "weight": loss.weight,
             "metrics": {name: value * loss.weight for name, value in loss.metrics.items()}}
+
+
+def _num_rows(batch: Batch) -> Any:
+    """The batch dimension of `batch` (its first leaf's): an int where static, else a tensor."""
+    first = tf.nest.flatten(batch)[0]
+    return first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
 
 
 def _rounding_seed(step_number: tf.Tensor, index: tf.Tensor) -> tf.Tensor:

@@ -3,13 +3,17 @@
 As CommonLoopUtils' periodic actions: a small object with one call, declared by the Trainer
 subclass (`Trainer.actions`), run by the controller between compiled loops with the run's
 TensorBoard writer as the default `tf.summary` writer, so `tf.summary.text(...)` or
-`tf.summary.image(...)` inside it lands in `workdir/train` or `workdir/eval`.
+`tf.summary.image(...)` inside it lands in `workdir/train` or `workdir/eval`. A metric an action
+computes (a sample's Fréchet distance) is what it returns, as a dict of floats: the controller
+writes it beside the split's scalars, and an eval-time action's joins the eval summary.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Mapping, Optional
+
+import numpy as np
 
 from mixloop.errors import UserError
 
@@ -22,9 +26,14 @@ class Action:
     One that runs every N updates writes to `workdir/train`; one at eval time to `workdir/eval`, with
     the weights eval used (the EMA weights when `config.train.ema_decay` is set).
     The loop's boundaries include every multiple of `every_steps`, so none is missed.
+
+    `fn` may return a dict of metrics, name -> a real number (e.g. {"fid": 12.3}); an eval-time
+    action's join eval's own in the eval summary (TensorBoard's `workdir/eval`, the `eval at step N:`
+    line, the run's `Finished ...` line), an every-N one's go to `workdir/train`. Any other return
+    value (None, what `tf.summary.scalar` returns) is ignored.
     """
 
-    fn: Callable[[int], None]
+    fn: Callable[[int], Optional[Mapping[str, float]]]
     every_steps: int = 0
     at_eval: bool = False
 
@@ -58,3 +67,43 @@ def checked_actions(actions: Any) -> list[Action]:
     if isinstance(actions, (list, tuple)) and all(isinstance(a, Action) for a in actions):
         return list(actions)
     raise UserError(f"actions() must return a list of mixloop.Action, got {actions!r:.200}")
+
+
+def returned_metrics(action: Action, returned: Any, step: int, taken: Collection[str] = (),
+                     reserved: Collection[str] = ()) -> dict[str, float]:
+    """The metrics `action.fn` returned at `step`: a mapping's items as floats, {} for anything
+    else. A metric may not replace one of the names in `taken` (reported already at this step:
+    eval's metrics, other actions') nor start with a `reserved` tag (the framework's train
+    scalars: `loss`, `loss/<objective>`, ...).
+
+    Raises:
+      UserError: for a name that is not a non-empty string, taken or reserved, or a value that is
+        not a real number, naming the action, the step and the metric.
+    """
+    if not isinstance(returned, Mapping):
+        return {}
+    metrics = {}
+    for name, value in returned.items():
+        where = f"action {action.describe()} returned metric {name!r} at step {step}"
+        if not (isinstance(name, str) and name):
+            raise UserError(f"{where}: a metric's name must be a non-empty string")
+        if name in taken:
+            raise UserError(f"{where}, which the run reports already at that step; rename it")
+        if name.split("/")[0] in reserved:
+            raise UserError(f"{where}, which the framework writes itself; rename it (taken: "
+                            f"{', '.join(reserved)})")
+        metrics[name] = _real_number(value, where)
+    return metrics
+
+
+def _real_number(value: Any, where: str) -> float:
+    """`value` as a float: a Python, NumPy or 0-d tensor real number.
+
+    Raises:
+      UserError: for anything else (a vector, a string, a complex number).
+    """
+    array = np.asarray(value)
+    if array.ndim or not (np.issubdtype(array.dtype, np.integer)
+                          or np.issubdtype(array.dtype, np.floating)):
+        raise UserError(f"{where}: {value!r:.80} is not a real number (a metric is one float)")
+    return float(array)

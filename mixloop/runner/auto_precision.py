@@ -98,11 +98,8 @@ def start(trainer) -> None:
         else:
             reports, found, evidence = _probe(trainer, batches), [], []
     except (UserError, tf.errors.OpError) as error:
-        # The train step meets the same data or model and says what is wrong in its own words.
-        summary = error if isinstance(error, UserError) else controller.op_error_summary(error)
-        logging.warning("Automatic precision: not probed, the probe failed on the train batches "
-                        "(%s); no layer moves and the loss scales start where config.precision "
-                        "starts them", summary)
+        logging.warning("Automatic precision: not probed, %s; no layer moves and the loss scales "
+                        "start where config.precision starts them", _probe_failure(error))
         return
     seconds = time.perf_counter() - started
     pinned = pinned_regex(recorded or explicit, [layer.path for layer in found])
@@ -259,6 +256,16 @@ def _probe(trainer, batches: Iterable[Any]) -> list[PrecisionReport]:
                         f"{controller.op_error_summary(error)}") from None
 
 
+def _probe_failure(error: Exception) -> str:
+    """Why the start's probe gave no advice: a loss it cannot measure, in its own line, or the
+    failure on the train batches (the train step meets the same data or model and says what is
+    wrong in its own words)."""
+    if isinstance(error, precision_report.UnmeasurableLoss):
+        return str(error)
+    summary = error if isinstance(error, UserError) else controller.op_error_summary(error)
+    return f"the probe failed on the train batches ({summary})"
+
+
 def _recorded_regex(directory: str) -> str:
     """The pinning regex config.json's `resolved` record holds ('' for none).
 
@@ -333,8 +340,7 @@ def _start_loss_scales(trainer, reports: list[PrecisionReport],
         whose = f" (objective {report.objective!r})" if len(reports) > 1 else ""
         advised = precision_report.initial_scale_keeping(report, moved)
         if not isinstance(loss_scale, DynamicLossScale) or advised is None:
-            logging.info("precision.initial_scale=auto%s: no dynamic loss scale over float16 "
-                         "gradients to start", whose)
+            logging.info("precision.initial_scale=auto%s: %s", whose, _unstarted(loss_scale))
             continue
         scale = loss_scale.start_at(advised)
         clipped = "" if scale == advised else f", clipped from {advised:g} into [min_scale, max_scale]"
@@ -346,6 +352,14 @@ def _start_loss_scales(trainer, reports: list[PrecisionReport],
     if not chosen:
         return None
     return chosen if len(reports) > 1 else next(iter(chosen.values()))
+
+
+def _unstarted(loss_scale: Any) -> str:
+    """Why `initial_scale=auto` leaves an objective's loss scale where config.precision starts it."""
+    if not isinstance(loss_scale, DynamicLossScale):
+        return "no dynamic loss scale over float16 gradients to start"
+    return (f"no gradient left in float16 is nonzero in the probed batches, which measures no "
+            f"scale; the loss scale starts at {float(loss_scale.scale.numpy()):g}")
 
 
 def _record(trainer, resolved: dict[str, Any], reports: list[PrecisionReport]) -> None:

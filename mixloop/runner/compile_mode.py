@@ -55,7 +55,7 @@ from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 
 from mixloop.config import ELEMENTWISE, ConfigError
-from mixloop.runner import controller, workdir
+from mixloop.runner import compile_cache, controller, workdir
 
 KEY = "jit_compile"  # Its config key, and its key in config.json's `resolved` record,
 MEASURED_FOR_KEY = "jit_compile_measured_for"  # beside the settings it was measured for.
@@ -65,6 +65,7 @@ PROBE_SECONDS = 0.3  # Each timed loop runs about this long (more updates for a 
 MAX_PROBE_UPDATES = 20  # ...but no more updates than this.
 MODES = (True, False, ELEMENTWISE)
 Mode = Union[bool, str]
+JSON_NAMES = {True: "xla", False: "graph", ELEMENTWISE: "elementwise"}  # In the cache and the benchmark.
 
 
 # The ops "elementwise" lets XLA cluster: TensorFlow's FUSIBLE categories (matrix products and
@@ -164,11 +165,24 @@ def choose(trainer) -> bool:
         return False
     measured_for = _measured_for(trainer.config)
     resolved = workdir.read_resolved(trainer.workdir)
-    recorded = resolved.get(KEY) if isinstance(resolved, dict) else None
-    if recorded in MODES and resolved.get(MEASURED_FOR_KEY) == measured_for:
+    recorded = resolved.get(KEY)
+    if KEY in resolved and not is_mode(recorded):
+        raise workdir.refuse_recorded(trainer.workdir, KEY, recorded,
+                                      'a compile mode: true, false or "elementwise"')
+    if KEY in resolved and resolved.get(MEASURED_FOR_KEY) == measured_for:
         trainer.set_jit_compile(recorded)
         logging.info("Train step %s: jit_compile=auto, as config.json records for this workdir",
                      describe(recorded))
+        return False
+    cache_key = compile_cache.key_of(compile_cache.setup(trainer))
+    cached = compile_cache.lookup(cache_key)
+    if cached is not None and is_mode(cached["mode"]):
+        trainer.set_jit_compile(cached["mode"])
+        logging.info("Train step %s: jit_compile=auto, as measured for this setup on this machine "
+                     "at %s (cache %s; %s=off measures again)", describe(cached["mode"]),
+                     cached.get("measured_at", "?"), compile_cache.cache_path(),
+                     compile_cache.CACHE_ENV)
+        _record(trainer, cached["mode"], measured_for)
         return False
     left = trainer.config.train.num_steps - int(trainer.global_step.numpy())
     unprobed = (f"a run of {left} updates (under {MIN_PROBED_UPDATES})" if left < MIN_PROBED_UPDATES
@@ -176,9 +190,12 @@ def choose(trainer) -> bool:
                 else None if trainer.iterator_in_checkpoint
                 else "a run whose data position a checkpoint cannot hold")
     if unprobed:
-        trainer.set_jit_compile(True)
-        logging.info("Train step with XLA: jit_compile=auto does not measure %s; "
-                     "--config.jit_compile=False runs it without XLA", unprobed)
+        rule = _known_rule(trainer.policy.compute_dtype)
+        mode = False if rule else True
+        trainer.set_jit_compile(mode)
+        logging.info("Train step %s: jit_compile=auto does not measure %s%s; --config.jit_compile=%s "
+                     "runs it %s", describe(mode), unprobed, f", and {rule}" if rule else "",
+                     not mode, describe(not mode))
         return False
     try:
         speeds, probe_seconds = measure(trainer)
@@ -198,9 +215,37 @@ def choose(trainer) -> bool:
                  "the %d modes compiled, state restored)", describe(chosen), speeds[chosen],
                  ", ".join(f"{speeds[mode]:.1f} {describe(mode)}" for mode in others),
                  probe_seconds, len(MODES))
+    _record(trainer, chosen, measured_for)
     if trainer.is_chief:
-        workdir.record_resolved(trainer.workdir, {KEY: chosen, MEASURED_FOR_KEY: measured_for})
+        compile_cache.store(cache_key, chosen, {JSON_NAMES[mode]: round(speed, 1)
+                                                for mode, speed in speeds.items()})
     return True
+
+
+def _record(trainer, mode: Mode, measured_for: dict[str, Any]) -> None:
+    """Records `mode` in config.json, with what it was measured for: a resume keeps it."""
+    if trainer.is_chief:
+        workdir.record_resolved(trainer.workdir, {KEY: mode, MEASURED_FOR_KEY: measured_for})
+
+
+def _known_rule(compute_dtype: Any) -> Optional[str]:
+    """Why graph mode wins unmeasured, or None: a bfloat16 policy on a CPU (no GPU) whose flags
+    have AVX512_BF16 or AMX, whose bfloat16 matrix products only TensorFlow's own kernels use (XLA
+    on a CPU does not: plain XLA measured the slowest mode there, charlm at width 512 18.2 examples/s
+    against 27.6 in graph mode)."""
+    if tf.as_dtype(compute_dtype) != tf.bfloat16 or tf.config.list_physical_devices("GPU"):
+        return None
+    flags = set(compile_cache.cpu()["flags"].split())
+    found = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if not found:
+        return None
+    return (f"a bfloat16 policy on a CPU with {' and '.join(f.upper() for f in found)} runs fastest "
+            "on TensorFlow's kernels (XLA on a CPU does not use them)")
+
+
+def is_mode(value: Any) -> bool:
+    """Whether `value` is one of MODES itself: 1 equals True, but is no mode a run records."""
+    return isinstance(value, bool) or value == ELEMENTWISE
 
 
 def _measured_for(config: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import contextlib
 import re
 import signal
 import time
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Collection, Optional, Protocol, Union
 
 import keras
 import ml_collections
@@ -21,7 +21,7 @@ from absl import logging
 from mixloop import errors, interrupts
 from mixloop.errors import UserError
 from mixloop.runner import checkpointing, guard, memory, reporting, train_data, workdir
-from mixloop.runner.actions import Action, checked_actions
+from mixloop.runner.actions import Action, checked_actions, returned_metrics
 
 EMPTY_EVAL_DATA = "the eval dataset is empty: build_datasets() returned one with no batches"
 
@@ -253,19 +253,18 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest, num_batches
         if _is_due(trainer, step, config.train.log_every_steps) or step == last_step:
             metrics.update(_report_train(trainer, writer, step, interval))
             interval = reporting.Interval(step, trainer.state.skipped_totals())
-        _run_actions(trainer, writer, "train", step, [a for a in actions if a.is_due(step)], stop)
+        computed = _run_actions(trainer, writer, "train", step, [a for a in actions if a.is_due(step)],
+                                stop, reserved=reporting.BUILT_IN_TRAIN_TAGS)
+        if computed:
+            writer.write("train", step, computed)
         if stop.signal_number is not None:  # Save at once: a scheduler's grace period is short.
             break
         if _is_due(trainer, step, config.eval.every_steps):
             # Eval leaves the run's random sequence where training had it: a run that stops (and
             # evaluates) here and resumes then draws the noise a straight run draws.
             with trainer.random_states_kept():
-                if trainer.eval_data is not None:
-                    metrics.update(_report_eval(trainer, writer, step))
-                at_eval = [action for action in actions if action.at_eval]
-                if at_eval:
-                    with trainer.ema_weights():  # Eval-time actions see the weights eval saw.
-                        _run_actions(trainer, writer, "eval", step, at_eval, stop)
+                metrics.update(_report_eval(trainer, writer, step,
+                                            [action for action in actions if action.at_eval], stop))
         if _is_due(trainer, step, config.checkpoint.every_steps):
             _save(trainer, step)
     return metrics, guard.CONTINUE
@@ -277,26 +276,32 @@ def _log_compiled(trainer: Runnable, seconds: float) -> None:
 
 
 def _run_actions(trainer: Runnable, writer: reporting.MetricWriter, split: str, step: int,
-                 due: list[Action], stop: _StopRequest) -> None:
+                 due: list[Action], stop: _StopRequest, taken: Collection[str] = (),
+                 reserved: Collection[str] = ()) -> dict[str, float]:
     """Runs the `due` actions with the `split` TensorBoard writer as the default summary writer,
-    telling `stop` which one runs.
+    telling `stop` which one runs; returns the metrics they returned (`actions.returned_metrics`,
+    none named as in `taken` or starting with a `reserved` tag).
 
     Raises:
-      UserError: when an action raises, naming it, the step and the checkpoint kept.
+      UserError: when an action raises, naming it, the step and the checkpoint kept; or returns a
+        metric it may not (`returned_metrics`).
     """
+    metrics: dict[str, float] = {}
     if not due:
-        return
+        return metrics
     with writer.as_default(split):
         for action in due:
             stop.running = (action, step)
             try:
-                action.fn(step)
+                returned = action.fn(step)
             except Exception as error:  # Research code: whatever it raises is its own bug.
                 raise UserError(f"action {action.describe()} failed at step {step}: "
                                 f"{errors.described(error)}; {_kept_checkpoint(trainer)}") from None
             finally:
                 stop.running = None
+            metrics.update(returned_metrics(action, returned, step, [*taken, *metrics], reserved))
     writer.flush(split)
+    return metrics
 
 
 def _kept_checkpoint(trainer: Runnable) -> str:
@@ -446,15 +451,28 @@ def _report_train(trainer: Runnable, writer: reporting.MetricWriter, step: int,
     return scalars
 
 
-def _report_eval(trainer: Runnable, writer: reporting.MetricWriter, step: int) -> dict:
-    """Evaluates and reports; an op error of its input is one line (`UserError`)."""
+def _report_eval(trainer: Runnable, writer: reporting.MetricWriter, step: int, at_eval: list[Action],
+                 stop: _StopRequest) -> dict:
+    """Evaluates (with eval data), runs the eval-time actions `at_eval` with the weights eval used,
+    and reports both together as the eval summary: TensorBoard's eval scalars, the `eval at step N:`
+    line, and the run's metrics (`eval_<name>`, which `Finished ...` shows); {} with neither."""
+    metrics = _evaluate(trainer, step) if trainer.eval_data is not None else {}
+    if at_eval:
+        with trainer.ema_weights():  # Eval-time actions see the weights eval saw.
+            metrics.update(_run_actions(trainer, writer, "eval", step, at_eval, stop, taken=metrics))
+    if not metrics:
+        return {}
+    writer.write("eval", step, metrics)
+    reporting.log_eval(step, metrics)
+    return {f"eval_{name}": value for name, value in metrics.items()}
+
+
+def _evaluate(trainer: Runnable, step: int) -> dict[str, float]:
+    """`trainer.evaluate()`; an op error of its input is one line (`UserError`)."""
     try:
-        metrics = trainer.evaluate()
+        return dict(trainer.evaluate())
     except tf.errors.OpError as error:
         if not _is_input_error(error):
             raise
         raise UserError(f"the eval step failed at step {step}: {op_error_summary(error)}; "
                         f"{_kept_checkpoint(trainer)}") from None
-    writer.write("eval", step, metrics)
-    reporting.log_eval(step, metrics)
-    return {f"eval_{name}": value for name, value in metrics.items()}

@@ -72,7 +72,13 @@ def build_optimizer(config: ml_collections.ConfigDict, *, every_steps: int = 1
     objective updated on every step, `num_steps // every_steps` for one updated every
     `every_steps` steps (`mixloop.Objective(..., every_steps=N)`), whose iterations advance only
     then; pass the same `every_steps` to both.
+
+    Raises:
+      TypeError: when `config` is not the run's whole config (`self.config`; its `optimizer`
+        section alone, or None).
+      ValueError: when `every_steps` is not a positive integer.
     """
+    _check_arguments(config, every_steps)
     learning_rate = learning_rate_schedule(config.optimizer, max(config.train.num_steps // every_steps, 1))
     compact = config.optimizer.state_dtype != "float32" or config.precision.master_weights == "bfloat16"
     config = config.optimizer
@@ -86,3 +92,16 @@ def build_optimizer(config: ml_collections.ConfigDict, *, every_steps: int = 1
     state = dict(state_dtype=config.state_dtype) if compact else {}
     return optimizer_class(learning_rate, weight_decay=decay, beta_1=config.beta_1, beta_2=config.beta_2,
                            epsilon=config.epsilon, **state)
+
+
+def _check_arguments(config: object, every_steps: object) -> None:
+    """Refuses what `build_optimizer` cannot read, in one line naming the argument and the fix."""
+    if not (isinstance(config, ml_collections.ConfigDict) and "optimizer" in config
+            and "train" in config):
+        given = ("the config.optimizer section" if isinstance(config, ml_collections.ConfigDict)
+                 and "learning_rate" in config else f"a {type(config).__name__}")
+        raise TypeError(f"mixloop.build_optimizer: config is {given}; pass the run's whole config "
+                        "(self.config), whose optimizer section it reads with train.num_steps")
+    if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
+        raise ValueError(f"mixloop.build_optimizer: every_steps={every_steps!r} is not allowed: a "
+                         "positive integer, the every_steps of the objective it updates (1: every step)")

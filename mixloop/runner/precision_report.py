@@ -43,11 +43,16 @@ initial scale is that objective's, while `config.precision` starts every objecti
 `build_objectives` gives it its own).
 
 Gradients are those of one micro-batch's loss per weight (its mean), which is what the train step
-scales and differentiates; a variable the loss does not reach has a zero gradient. Each pass runs
-traced, as the train step does, so a layer's custom gradient (`tf.custom_gradient`, Keras's float8
-layers) is taken as training takes it. A variable Keras overwrites with its "gradient"
-(`overwrite_with_gradient`: float8 scales and amax histories) has no gradient to measure: it is
-left out of every gradient statistic, and its new values count only where they are inf or NaN, as
+scales and differentiates; a variable the loss does not reach has a zero gradient. While a pass is
+traced, `trainer.model` and `trainer.policy` are the pass's (the twin and float32 in the float32
+pass), so a `compute_loss` that runs `self.model` itself (a MAML inner step, a gradient penalty
+through `self.model.discriminator`) runs the model measured. A loss that reaches the trainer's model
+another way (a layer kept in an attribute) makes the float32 pass reach the trainer's variables, or
+leaves it all zero gradients where the mixed pass has some: `UnmeasurableLoss`, one line, and no
+figure or advice. Each pass runs traced, as the train step does, so a layer's custom gradient
+(`tf.custom_gradient`, Keras's float8 layers) is taken as training takes it. A variable Keras
+overwrites with its "gradient" (`overwrite_with_gradient`: float8 scales and amax histories) has no
+gradient to measure: it is left out of every gradient statistic, and its new values count only where they are inf or NaN, as
 overflows. Layers are observed by wrapping each layer's call while the diagnosis runs, which works
 alike for functional, sequential and subclassed models and reaches sublayers (attention
 projections). Limits: values made
@@ -104,6 +109,11 @@ _NOISE_LAYERS = (keras.layers.Dropout, keras.layers.GaussianDropout, keras.layer
                  keras.layers.AlphaDropout)
 # Histogram bin k counts magnitudes in [2**k, 2**(k+1)); these bounds hold every nonzero float32.
 _MIN_EXPONENT, _MAX_EXPONENT = -149, 127
+
+
+class UnmeasurableLoss(UserError):
+    """The float32 pass cannot take the gradients an objective's loss makes (it runs the trainer's
+    model other than through `self.model`): no figure or advice is given for it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +272,9 @@ def diagnose(trainer, num_batches: int = 4, loss_scale: Optional[float] = None,
       UserError: when the policy computes in float32, so there is nothing to compare, when the
         trainer's strategy has several replicas (the passes run eagerly on one device), when the
         train data has no batch left, or when `objective` names none of the trainer's objectives (or
-        is None while there are several).
+        is None while there are several); `UnmeasurableLoss`, one, when the float32 pass cannot
+        take the loss's gradients (its `compute_loss` runs the trainer's model other than through
+        `self.model`).
       ValueError: when `num_batches` is below 1 or `loss_scale` is not positive and finite.
     """
     if objective is None:
@@ -309,8 +321,18 @@ def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
     twin = build_model(trainer.build_model, Policy.from_string("float32"))
     # As the trainer quantized its model, so that the twin's variables pair with the model's.
     float8_layers.quantize(twin, trainer.float8_paths)
+    _freeze_as(twin, trainer.model)
     return [_diagnose_objective(trainer, name, twin, micro_batches, len(batches), loss_scale,
                                 relative_errors, float8) for name in objectives]
+
+
+def _freeze_as(twin: keras.Model, model: keras.Model) -> None:
+    """Sets each of `twin`'s layers trainable as its counterpart in `model` is (paired in order:
+    both come from one `build_model`), so that their trainable and non-trainable variables pair: a
+    layer `build_objectives` froze after `build_model` (a momentum target network) is frozen in the
+    model only."""
+    for twin_layer, layer in zip(named_layers(twin).values(), named_layers(model).values()):
+        twin_layer.trainable = layer.trainable  # Parents come first: a sublayer's own flag wins.
 
 
 def _check_diagnosable(trainer, objectives: Sequence[str], num_batches: int,
@@ -430,12 +452,15 @@ class _Pass:
 @dataclasses.dataclass(frozen=True)
 class _Net:
     """What a pass runs: `model` in `policy`, recording `layers` (all of the model's, by index) and
-    differentiating the objective's loss by `variables` (the objective's, in this model)."""
+    differentiating the objective's loss by `variables` (the objective's, in this model); `strays`:
+    the objective's variables in the trainer's own model when `model` is the float32 twin, which
+    the pass's loss must not reach (it would take gradients the twin does not see)."""
 
     model: keras.Model
     policy: Policy
     layers: list
     variables: list
+    strays: list = dataclasses.field(default_factory=list)
 
 
 def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, scale: float,
@@ -456,7 +481,7 @@ def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, sc
     variable_tallies = [_VariableTally(v.path, dtype, getattr(v, "overwrite_with_gradient", False))
                         for v, dtype in zip(variables, dtypes)]
     float32_net = _Net(twin, Policy.from_string("float32"), list(named_layers(twin).values()),
-                       _twin_variables(model, twin, variables))
+                       _twin_variables(model, twin, variables), strays=variables)
     order, float32_grads, states = _measure_float32(
         twin, _traced_pass(trainer, objective, float32_net, layer_dtypes), micro_batches, scale,
         layer_tallies, variable_tallies, relative_errors)
@@ -465,8 +490,10 @@ def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, sc
     mixed_pass = _traced_pass(
         trainer, objective, _Net(model, policy, [layer for _, layer in model_layers], variables),
         layer_dtypes, float8=[index for index, tally in layer_tallies.items() if tally.float8])
+    float32_reached = _any_nonzero(float32_grads)
     for micro_batch, grads, state in zip(micro_batches, float32_grads, states):
         mixed = mixed_pass(micro_batch, comparison_scale, state)
+        _check_reached(objective, float32_reached, mixed.grads)
         for index in order:
             layer_tallies[index].add_mixed(mixed.calls.get(index, []),
                                            mixed.float8_values.get(index, []),
@@ -476,6 +503,66 @@ def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, sc
     eps = DtypeRange.of(policy.compute_dtype).eps
     return ([layer.report() for layer in layers], [tally.report(eps) for tally in variable_tallies],
             comparison_scale)
+
+
+def _any_nonzero(grads: list[list[np.ndarray]]) -> bool:
+    """Whether any micro-batch's gradient (lists of arrays, per micro-batch) has a nonzero value
+    (inf and NaN count)."""
+    return any(np.any(grad != 0) for micro_batch in grads for grad in micro_batch)
+
+
+def _check_reached(objective: str, float32_reached: bool, mixed_grads: list[np.ndarray]) -> None:
+    """Raises when the float32 pass found no nonzero gradient (`float32_reached` False) but the
+    mixed pass does: the loss runs something other than the twin in the float32 pass, and zero
+    gradients would read as gradients with nothing to scale.
+
+    Raises:
+      UnmeasurableLoss: saying so.
+    """
+    if not float32_reached and _any_nonzero([mixed_grads]):
+        raise _unmeasurable(objective, "its gradients are all zero in the float32 pass but not in "
+                            "the mixed one, so the loss does not run the same model in both")
+
+
+def _unmeasurable(objective: str, why: str) -> UnmeasurableLoss:
+    """The one line the doctor and the probe give, instead of any figure or advice, for a loss
+    whose gradients the float32 pass cannot take."""
+    return UnmeasurableLoss(f"the precision probe cannot measure objective {objective!r}'s loss: "
+                            f"{why}")
+
+
+@contextlib.contextmanager
+def _running(trainer, net: _Net) -> Iterator[None]:
+    """`trainer.model` and `trainer.policy` are the pass's own for the `with` block (the float32
+    twin and float32 in the float32 pass), put back on exit, errors included: a `compute_loss`
+    that runs `self.model` itself (a MAML inner loop, a gradient penalty through
+    `self.model.discriminator` and `self.policy`) then runs the model the pass measures."""
+    saved = trainer.model, trainer.policy
+    trainer.model, trainer.policy = net.model, net.policy
+    try:
+        yield
+    finally:
+        trainer.model, trainer.policy = saved
+
+
+def _stray_paths(net: _Net, stray_grads: list) -> list[str]:
+    """The paths of `net.strays` the pass's loss reached (their gradients are not None)."""
+    return [variable.path for variable, grad in zip(net.strays, stray_grads) if grad is not None]
+
+
+def _refuse_strays(objective: str, strays: list[str]) -> None:
+    """Raises when the float32 pass's loss reached the trainer's own variables at `strays` (paths):
+    their gradients would be missing from the twin's, so every figure would be partial.
+
+    Raises:
+      UnmeasurableLoss: naming the variables and how to reach them so the pass can swap them.
+    """
+    if strays:
+        raise _unmeasurable(
+            objective, f"compute_loss reaches the trainer's model ({', '.join(strays[:3])}) other "
+            "than through self.model, so its float32 pass cannot run on the float32 twin; reach "
+            "the model's layers through self.model inside compute_loss (e.g. "
+            "self.model.get_layer(NAME), not a layer kept in an attribute)")
 
 
 def _twin_variables(model: keras.Model, twin: keras.Model, variables: list) -> list:
@@ -545,20 +632,24 @@ def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
     the arguments are read first and the gradient is the one the train step takes."""
 
     failures: list[tuple[int, str, Exception]] = []  # (layer index, stage, error), finest first.
+    strays: list[str] = []  # The paths of `net.strays` the loss reached, found while tracing.
 
     @tf.function
     def traced(batch, scale, examined_scale):
-        with tf.GradientTape() as tape, _recording_calls(net.layers, tape.watch, failures) as calls:
+        with (tf.GradientTape() as tape, _recording_calls(net.layers, tape.watch, failures) as calls,
+              _running(trainer, net)):
             outputs = forward(net.model, net.policy, trainer.model_inputs(batch), training=True)
             loss = as_losses(trainer.compute_loss(outputs, batch), trainer.objectives)[objective]
             scaled_loss = per_weight(loss.value, tf.stop_gradient(loss.weight)) * scale  # As the step.
         layer_outputs = {index: [call.outputs for call in records] for index, records in calls.items()}
         try:
-            grads, output_grads = tape.gradient(scaled_loss, (net.variables, layer_outputs))
+            grads, output_grads, stray_grads = tape.gradient(
+                scaled_loss, (net.variables, layer_outputs, net.strays))
         except Exception as error:  # A layer's own custom gradient: whatever it raises.
             if calls.in_backward:
                 calls.failures.append((calls.in_backward[-1], "backward", error))
             raise
+        strays[:] = _stray_paths(net, stray_grads)
         grads = [tf.zeros(v.shape) if g is None else g for g, v in zip(grads, net.variables)]
         output_grads = tf.nest.map_structure(
             lambda g, t: tf.zeros_like(t) if g is None else g, output_grads, layer_outputs)
@@ -585,6 +676,7 @@ def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
             raise UserError(f"layer {path!r} ({type(net.layers[index]).__name__}) cannot be "
                             f"measured: its {stage} pass, traced as the train step traces it, "
                             f"raised {described(error)}") from None
+        _refuse_strays(objective, strays)
         return _Pass(
             calls={index: [_CallStats(**{name: value.numpy() for name, value in call.items()})
                            for call in stats[index]]

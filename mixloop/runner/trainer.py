@@ -91,6 +91,7 @@ class Trainer:
             self.compile_loops()
             _check_objective_variables(self.objectives, self.model)
             _check_compact_optimizers(self.objectives, config)
+            _warn_of_idle_objectives(self.objectives, config.train.num_steps)
             # Before the data and the first trace, so compute_loss and build_datasets may read it.
             self.research_state = _checked_extra_state(self.extra_state())
         with reporting.announced(f"Building the datasets ({type(self).__name__}.build_datasets)"):
@@ -373,6 +374,11 @@ class Trainer:
         """Updates made so far in the run, skipped ones included."""
         return self.state.global_step
 
+    @property
+    def train_element_spec(self) -> Any:
+        """The structure of `tf.TensorSpec`s of a global train batch, as `build_datasets` made it."""
+        return self._train_data.element_spec
+
     def restore_weights(self, path: str) -> None:
         """Restores model, optimizer, loss scale and counters from `path`, but not the data position."""
         self._weights_checkpoint().restore(path).expect_partial()
@@ -543,6 +549,16 @@ def _check_objective_variables(objectives: dict[str, Objective], model: keras.Mo
     if untrained:
         logging.warning("No objective trains %d trainable variable(s) of the model: %s",
                         len(untrained), ", ".join(untrained[:6]))
+
+
+def _warn_of_idle_objectives(objectives: dict[str, Objective], num_steps: int) -> None:
+    """Warns, one line each, of an objective whose `every_steps` exceeds the run's steps: it would
+    never be updated, and nothing else would say so (its loss is still reported)."""
+    for name, objective in objectives.items():
+        if objective.every_steps > num_steps:
+            logging.warning("Objective %r never updates in this run: every_steps=%d is more than "
+                            "train.num_steps=%d; lower its every_steps or raise train.num_steps",
+                            name, objective.every_steps, num_steps)
 
 
 def _check_compact_optimizers(objectives: dict[str, Objective], config: ml_collections.ConfigDict) -> None:

@@ -4,9 +4,11 @@ a file where a folder belongs)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import shutil
 import socket
 import tempfile
 from typing import Any
@@ -100,12 +102,23 @@ class WorkdirLock:
                 except FileExistsError:
                     self._clear_stale_lock()
                     continue
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+                self._write_owner(fd)
+                remove_scratch_folders(self.directory)
                 return self
         except OSError as error:
             raise _unusable_workdir(self.directory, error) from None
         raise UserError(f"could not take the lock {self.path}; another run is starting there")
+
+    def _write_owner(self, fd: int) -> None:
+        """Writes this process's pid and host into the lock just created as `fd`; a lock it could
+        not write (a full disk) is removed, so the next run does not meet a stale one."""
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+            raise
 
     def __exit__(self, *exc_info) -> None:
         """Releases the lock if it is still this process's: a lock someone removed (a workdir
@@ -154,12 +167,35 @@ def _unusable_workdir(directory: str, error: OSError) -> UserError:
                      "choose a --workdir you can write to")
 
 
+# The prefixes of the probes' temporary folders in a workdir (`scratch_folder`): the compile-mode
+# probe's saved state, the precision probe's data position.
+SCRATCH_PREFIXES = (".compile-probe-", ".precision-probe-")
+
+
 def scratch_folder(directory: str, prefix: str) -> "tempfile.TemporaryDirectory[str]":
     """A temporary folder inside the workdir `directory` (its lock is held there, and a model's
     state can be large where /tmp is small), or in the system's when it does not exist yet;
-    removed when its `with` block ends."""
-    return tempfile.TemporaryDirectory(prefix=prefix,
-                                       dir=directory if os.path.isdir(directory) else None)
+    removed when its `with` block ends, or by the next run's start (`remove_scratch_folders`)
+    when a SIGKILL ended the block.
+
+    Raises:
+      UserError: when it cannot be made (a full disk, no free inodes), naming the workdir.
+    """
+    try:
+        return tempfile.TemporaryDirectory(prefix=prefix,
+                                           dir=directory if os.path.isdir(directory) else None)
+    except OSError as error:
+        raise _unusable_workdir(directory, error) from None
+
+
+def remove_scratch_folders(directory: str) -> None:
+    """Removes the probes' temporary folders a killed run left in `directory` (a copy of the whole
+    state, the model's size): called with the workdir's lock taken, so no run is using them."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.startswith(SCRATCH_PREFIXES) and os.path.isdir(path) and not os.path.islink(path):
+            logging.info("Removing %s, a probe's temporary folder an interrupted run left", path)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def nearest_existing(path: str) -> str:
@@ -216,9 +252,13 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
 
 
 def read_resolved(directory: str) -> dict[str, Any]:
-    """The `resolved` record of `config.json` ({} when there is none)."""
+    """The `resolved` record of `config.json` ({} when there is none).
+
+    Raises:
+      UserError: when config.json or its record is not a JSON object (`_resolved_in`).
+    """
     path = os.path.join(directory, "config.json")
-    return _read_config(path).get(RESOLVED, {}) if os.path.exists(path) else {}
+    return _resolved_in(_read_config(path), path) if os.path.exists(path) else {}
 
 
 def record_resolved(directory: str, resolved: dict[str, Any]) -> None:
@@ -227,8 +267,36 @@ def record_resolved(directory: str, resolved: dict[str, Any]) -> None:
     wrote: the config history says what ran, not only what was asked for."""
     path = os.path.join(directory, "config.json")
     config = _read_config(path)
-    config[RESOLVED] = {**config.get(RESOLVED, {}), **resolved}
+    config[RESOLVED] = {**_resolved_in(config, path), **resolved}
     _write_json(path, config)
+
+
+def refuse_recorded(directory: str, key: str, value: Any, allowed: str) -> UserError:
+    """The one line refusing the value config.json's `resolved` record holds for `key` (hand-edited
+    to one no run writes), naming what is allowed and the way out."""
+    return UserError(f"{os.path.join(directory, 'config.json')} records {RESOLVED}.{key}="
+                     f"{json.dumps(value)}, which is not {allowed}; repair it, or delete the "
+                     f"key from the {RESOLVED!r} record to choose it again")
+
+
+def _resolved_in(config: dict[str, Any], path: str) -> dict[str, Any]:
+    """The `resolved` record of the config read from `path` ({} when there is none).
+
+    Raises:
+      UserError: when it is not a JSON object (hand-edited): rather than guess or overwrite it.
+    """
+    resolved = config.get(RESOLVED, {})
+    if not isinstance(resolved, dict):
+        raise UserError(f"{path}: its {RESOLVED!r} record is {_json_kind(resolved)}, not a JSON "
+                        "object of the values the 'auto' settings chose; repair it, or delete "
+                        "the record to choose them again")
+    return resolved
+
+
+def _json_kind(value: Any) -> str:
+    """'an array', 'a string', ...: what a JSON value is, in words."""
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            dict: "an object"}.get(type(value), "a number")
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -256,7 +324,6 @@ def _read_config(path: str) -> dict[str, Any]:
     except ValueError as error:  # json.JSONDecodeError, UnicodeDecodeError.
         raise UserError(f"{path} is not valid JSON ({error}); {advice}") from None
     if not isinstance(config, dict):
-        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-            type(config), "a number")
-        raise UserError(f"{path} holds {kind}, not a JSON object of config keys; {advice}")
+        raise UserError(f"{path} holds {_json_kind(config)}, not a JSON object of config keys; "
+                        f"{advice}")
     return config

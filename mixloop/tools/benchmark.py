@@ -99,7 +99,7 @@ RATIOS = (*POLICY_RATIOS, "mixloop/keras-fit", "mixloop/keras-fit-tuned", "mixlo
 BATCH_LOSS_RATIO = "two-passes/plain"
 EMA_DECAY = 0.999  # The ema_decay of the EMA variant.
 NO_RETRIES = "mixloop overflow_retries=0"  # float16, dynamic scale, no retry loop.
-_AUTO_KEYS = {"xla": True, "graph": False, "elementwise": compile_mode.ELEMENTWISE}  # JSON's names.
+_AUTO_KEYS = {name: mode for mode, name in compile_mode.JSON_NAMES.items()}  # JSON's names.
 EXTRA_METRIC = "benchmark_output_mean"  # The +metric variant's train metric.
 # Variants that change something besides policy, compile mode, accumulation and loss scale: left out
 # of the policy comparisons (the headline and the chart).

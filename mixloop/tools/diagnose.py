@@ -201,7 +201,7 @@ def _advice_lines(report: PrecisionReport) -> list[str]:
     else:
         keep = "nothing more"
     if advice.initial_scale is None:
-        scale = f"not needed: {report.compute_dtype} has float32's exponent range"
+        scale = _no_scale_text(report)
     else:
         whose = f" of objective {report.objective!r}" if len(report.objectives) > 1 else ""
         scale = (f"{_scale_text(advice.initial_scale)}: the largest gradient{whose} left in float16, "
@@ -223,6 +223,15 @@ def _advice_lines(report: PrecisionReport) -> list[str]:
     if advice.initial_scale is not None and len(report.objectives) > 1:
         lines += _shared_scale_note(report)
     return lines
+
+
+def _no_scale_text(report: PrecisionReport) -> str:
+    """Why no initial scale is advised: bfloat16 needs none; in float16 the probed gradients left in
+    float16 were all zero, which measures no scale (it never means float16 needs none)."""
+    if report.compute_dtype != "float16":
+        return f"not needed: {report.compute_dtype} has float32's exponent range"
+    return ("none measured: no gradient left in float16 is nonzero in the probed batches, so no "
+            "scale can be read from them; keep the dynamic loss scale's default start")
 
 
 def _float8_advice_lines(advice: Float8Advice) -> list[str]:

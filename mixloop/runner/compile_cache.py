@@ -1,0 +1,146 @@
+"""The compile-mode cache: what `jit_compile=auto` measured, kept outside the workdir so that the
+next run of the same setup on the same machine skips the probe.
+
+The probe compiles and times the train loop three ways, which costs seconds to a minute (charlm: 29
+s of a 170 s run); the answer depends only on the machine and the setup, so it is measured once. The
+cache is one JSON file, `compile_modes.json`, in `$MIXLOOP_CACHE_DIR` (default
+`$XDG_CACHE_HOME/mixloop`, else `~/.cache/mixloop`); `MIXLOOP_CACHE_DIR=off` turns it off, and
+`jit_compile=auto` then measures every new workdir. An entry is keyed by a hash of what decides a
+mode's speed (`setup`): the machine (CPU model and flags, GPU names), TensorFlow's version, the
+policy, the batch, its accumulation and the shapes of its elements, and a signature of the model
+(each layer's class and dtype policy, each variable's path, shape and dtype) and of its optimizer's
+state. A file that cannot be read, parsed or written costs one warning line, and the run measures
+as it would without a cache.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from mixloop.engine.layer_precision import named_layers
+
+CACHE_ENV = "MIXLOOP_CACHE_DIR"
+OFF = "off"
+FILE_NAME = "compile_modes.json"
+
+
+def cache_path() -> Optional[str]:
+    """The cache file's path, or None when `MIXLOOP_CACHE_DIR=off`."""
+    folder = os.environ.get(CACHE_ENV)
+    if folder == OFF:
+        return None
+    if not folder:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        folder = os.path.join(base, "mixloop")
+    return os.path.join(folder, FILE_NAME)
+
+
+def setup(trainer) -> dict[str, Any]:
+    """What a compile mode's speed depends on, as JSON-ready values."""
+    config = trainer.config
+    return {
+        "machine": _machine(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "replicas": trainer.strategy.num_replicas_in_sync,
+        "precision": config.precision.to_dict(),
+        "train": {key: config.train[key] for key in (
+            "batch_size", "accumulation_steps", "accumulation_dtype", "batch_loss", "ema_decay",
+            "recompute", "steps_per_loop")},
+        "optimizer": {key: config.optimizer[key] for key in ("name", "state_dtype")},
+        "trainer": f"{type(trainer).__module__}.{type(trainer).__qualname__}",
+        "data": [(str(spec.shape), spec.dtype.name)
+                 for spec in tf.nest.flatten(trainer.train_element_spec)],
+        "layers": [(path, type(layer).__name__, layer.dtype_policy.name)
+                   for path, layer in named_layers(trainer.model).items()],
+        "variables": [(v.path, list(v.shape), str(v.dtype)) for v in trainer.model.variables],
+    }
+
+
+def _machine() -> dict[str, Any]:
+    """The CPU (`cpu`) and the GPUs' names."""
+    gpus = [tf.config.experimental.get_device_details(gpu).get("device_name", gpu.name)
+            for gpu in tf.config.list_physical_devices("GPU")]
+    return {**cpu(), "gpus": gpus}
+
+
+def cpu() -> dict[str, str]:
+    """{"model": the CPU's model name, "flags": its instruction-set flags, sorted, space-separated};
+    off Linux, the platform's description and no flags."""
+    found = {"model": "", "flags": ""}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                name, _, value = line.partition(":")
+                if name.strip() == "model name" and not found["model"]:
+                    found["model"] = value.strip()
+                elif name.strip() == "flags" and not found["flags"]:
+                    found["flags"] = " ".join(sorted(value.split()))
+    except OSError:
+        found["model"] = platform.processor()
+    return found
+
+
+def key_of(setup_values: dict[str, Any]) -> str:
+    """The entry's key: a SHA-256 of `setup_values` as canonical JSON."""
+    text = json.dumps(setup_values, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def lookup(key: str) -> Optional[dict[str, Any]]:
+    """The entry stored under `key` ({"mode", "examples_per_sec", "measured_at"}), or None: no
+    cache, no such entry, or a file that cannot be read (one warning line)."""
+    entry = _read_all().get(key)
+    return entry if isinstance(entry, dict) and "mode" in entry else None
+
+
+def store(key: str, mode: Any, examples_per_sec: dict[str, float]) -> None:
+    """Stores `mode` (and the speeds that chose it) under `key`; a cache that cannot be written is
+    one warning line. Written whole to a temporary file and renamed, so a reader never sees half."""
+    path = cache_path()
+    if path is None:
+        return
+    entries = _read_all()
+    entries[key] = {"mode": mode, "examples_per_sec": examples_per_sec,
+                    "measured_at": datetime.datetime.now().isoformat(timespec="seconds")}
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(temporary, "w") as file:
+            json.dump(entries, file, indent=1, sort_keys=True)
+        os.replace(temporary, path)
+    except OSError as error:
+        logging.warning("Could not write the compile-mode cache %s (%s); the next run of this "
+                        "setup measures again (%s=off turns the cache off)", path,
+                        error.strerror or error, CACHE_ENV)
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+
+
+def _read_all() -> dict[str, Any]:
+    """Every entry of the cache file; {} without one, or (one warning line) for one that cannot be
+    read or is not a JSON object."""
+    path = cache_path()
+    if path is None or not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as file:
+            entries = json.load(file)
+        if not isinstance(entries, dict):
+            raise ValueError("not a JSON object")
+        return entries
+    except (OSError, ValueError) as error:
+        logging.warning("Ignoring the compile-mode cache %s: %s; it is rewritten after the next "
+                        "probe (%s=off turns the cache off)", path, error, CACHE_ENV)
+        return {}
