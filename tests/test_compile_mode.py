@@ -338,7 +338,15 @@ def test_a_short_run_takes_graph_mode_for_bfloat16_on_a_cpu_with_its_instruction
     monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": flags})
     trainer = make_trainer(tmp_path, **{"precision.policy": policy})
     with caplog.at_level(logging.INFO):
-        assert compile_mode.choose(trainer) is False
+        trainer.train()
     assert trainer.jit_compile is expected
+    assert resolved(tmp_path) == {"jit_compile": expected}  # A resume keeps it.
     [line] = [r.getMessage() for r in caplog.records if "does not measure a run of" in r.getMessage()]
     assert ("runs fastest on TensorFlow's kernels" in line) is (expected is False)
+
+
+def test_a_deterministic_run_never_takes_a_timed_choice_from_the_cache(tmp_path):
+    trainer = make_trainer(tmp_path, deterministic=True)
+    compile_cache.store(compile_cache.key_of(compile_cache.setup(trainer)), "elementwise", {})
+    trainer.train()
+    assert trainer.jit_compile is True and resolved(tmp_path) == {"jit_compile": True}

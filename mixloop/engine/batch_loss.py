@@ -49,8 +49,10 @@ def batch_shaped(outputs: Any, num_rows: Any, joined: str) -> Any:
     for path, leaf in keras.tree.flatten_with_path(outputs):
         message = _not_batch_shaped(path, leaf.shape, num_rows, joined)
         size = _first_dimension(leaf.shape)
-        if size == 0 or (isinstance(num_rows, int) and size is not None):
-            if size != num_rows:  # A scalar has no rows to join.
+        if size == 0:  # A scalar has no rows to join.
+            raise UserError(message)
+        if isinstance(num_rows, int) and size is not None:
+            if size != num_rows:
                 raise UserError(message)
             checked.append(leaf)
             continue

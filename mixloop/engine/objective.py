@@ -46,8 +46,10 @@ class Objective:
         applied update of this objective, right after the optimizer applied it and before the EMA
         (`train.ema_decay`) advances: never per micro-batch, never on a skipped update, never for
         a retried attempt (`precision.overflow_retries`). It writes with `variable.assign(...)`
-        and runs outside every layer call, so its reads are the float32 master weights (inside a
-        16-bit layer's `call` Keras would autocast them, `.value` included), and in cross-replica
+        and runs outside every layer call, so its reads are the master weights as stored (float32,
+        or bfloat16 with `precision.master_weights="bfloat16"`: cast them to a float32 target's
+        dtype; inside a 16-bit layer's `call` Keras would autocast them, `.value` included), and in
+        cross-replica
         context: each assign writes one value to every replica. What it writes must be variables
         made beforehand that a checkpoint holds (the model's, or `Trainer.extra_state`'s), for a
         resume to be bit-identical. For a schedule, read `optimizer.iterations` (the applied

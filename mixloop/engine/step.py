@@ -759,9 +759,12 @@ def _weighted_sums(loss: Loss) -> dict[str, Any]:
 
 
 def _num_rows(batch: Batch) -> Any:
-    """The batch dimension of `batch` (its first leaf's): an int where static, else a tensor."""
-    first = tf.nest.flatten(batch)[0]
-    return first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
+    """The batch dimension of `batch`: an int where a leaf knows it statically (the first such),
+    else the first leaf's as a tensor."""
+    leaves = tf.nest.flatten(batch)
+    static = next((leaf.shape[0] for leaf in leaves if leaf.shape.rank and leaf.shape[0] is not None),
+                  None)
+    return static if static is not None else tf.shape(leaves[0])[0]
 
 
 def _rounding_seed(step_number: tf.Tensor, index: tf.Tensor) -> tf.Tensor:

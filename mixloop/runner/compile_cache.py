@@ -7,9 +7,9 @@ cache is one JSON file, `compile_modes.json`, in `$MIXLOOP_CACHE_DIR` (default
 `$XDG_CACHE_HOME/mixloop`, else `~/.cache/mixloop`); `MIXLOOP_CACHE_DIR=off` turns it off, and
 `jit_compile=auto` then measures every new workdir. An entry is keyed by a hash of what decides a
 mode's speed (`setup`): the machine (CPU model and flags, GPU names), TensorFlow's version, the
-policy, the batch, its accumulation and the shapes of its elements, and a signature of the model
-(each layer's class and dtype policy, each variable's path, shape and dtype) and of its optimizer's
-state. A file that cannot be read, parsed or written costs one warning line, and the run measures
+policy, the batch, its accumulation and the shapes of its elements, the XLA flags and threads, the
+config's model section and the experiment's source files, and a signature of the model (each
+layer's class and dtype policy, each variable's path, shape and dtype). A file that cannot be read, parsed or written costs one warning line, and the run measures
 as it would without a cache.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -51,19 +52,46 @@ def setup(trainer) -> dict[str, Any]:
         "machine": _machine(),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
+        # mixloop's clustering flags for "elementwise" (set at import) and the user's own.
+        "tf_xla_flags": os.environ.get("TF_XLA_FLAGS", ""),
+        "threads": [_usable_cores(), os.environ.get("TF_NUM_INTRAOP_THREADS"),
+                    os.environ.get("OMP_NUM_THREADS")],
         "replicas": trainer.strategy.num_replicas_in_sync,
         "precision": config.precision.to_dict(),
         "train": {key: config.train[key] for key in (
             "batch_size", "accumulation_steps", "accumulation_dtype", "batch_loss", "ema_decay",
             "recompute", "steps_per_loop")},
         "optimizer": {key: config.optimizer[key] for key in ("name", "state_dtype")},
-        "trainer": f"{type(trainer).__module__}.{type(trainer).__qualname__}",
+        "trainer": [f"{type(trainer).__module__}.{type(trainer).__qualname__}",
+                    _source_hash(type(trainer))],
+        "model": json.loads(json.dumps(config.model.to_dict(), default=str)),
         "data": [(str(spec.shape), spec.dtype.name)
                  for spec in tf.nest.flatten(trainer.train_element_spec)],
         "layers": [(path, type(layer).__name__, layer.dtype_policy.name)
                    for path, layer in named_layers(trainer.model).items()],
         "variables": [(v.path, list(v.shape), str(v.dtype)) for v in trainer.model.variables],
     }
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _source_hash(trainer_class: type) -> str:
+    """A SHA-256 of the files that define `trainer_class` and its bases (the experiment's code: a
+    changed `compute_loss` may change which mode is fastest, or whether XLA compiles it at all)."""
+    digest = hashlib.sha256()
+    for cls in trainer_class.__mro__:
+        try:
+            with open(inspect.getsourcefile(cls), "rb") as file:
+                digest.update(file.read())
+        except (TypeError, OSError):  # A builtin, or a class defined in a notebook.
+            continue
+    return digest.hexdigest()
 
 
 def _machine() -> dict[str, Any]:

@@ -174,8 +174,13 @@ def choose(trainer) -> bool:
         logging.info("Train step %s: jit_compile=auto, as config.json records for this workdir",
                      describe(recorded))
         return False
+    # Neither may depend on a timing: a deterministic run, and one whose data position a
+    # checkpoint cannot hold (the probe could not put it back).
+    unmeasurable = ("a deterministic run (config.deterministic)" if trainer.config.deterministic
+                    else None if trainer.iterator_in_checkpoint
+                    else "a run whose data position a checkpoint cannot hold")
     cache_key = compile_cache.key_of(compile_cache.setup(trainer))
-    cached = compile_cache.lookup(cache_key)
+    cached = None if unmeasurable else compile_cache.lookup(cache_key)
     if cached is not None and is_mode(cached["mode"]):
         trainer.set_jit_compile(cached["mode"])
         logging.info("Train step %s: jit_compile=auto, as measured for this setup on this machine "
@@ -185,10 +190,8 @@ def choose(trainer) -> bool:
         _record(trainer, cached["mode"], measured_for)
         return False
     left = trainer.config.train.num_steps - int(trainer.global_step.numpy())
-    unprobed = (f"a run of {left} updates (under {MIN_PROBED_UPDATES})" if left < MIN_PROBED_UPDATES
-                else "a deterministic run (config.deterministic)" if trainer.config.deterministic
-                else None if trainer.iterator_in_checkpoint
-                else "a run whose data position a checkpoint cannot hold")
+    unprobed = unmeasurable or (f"a run of {left} updates (under {MIN_PROBED_UPDATES})"
+                                if left < MIN_PROBED_UPDATES else None)
     if unprobed:
         rule = _known_rule(trainer.policy.compute_dtype)
         mode = False if rule else True
@@ -196,6 +199,7 @@ def choose(trainer) -> bool:
         logging.info("Train step %s: jit_compile=auto does not measure %s%s; --config.jit_compile=%s "
                      "runs it %s", describe(mode), unprobed, f", and {rule}" if rule else "",
                      not mode, describe(not mode))
+        _record(trainer, mode, measured_for)  # A resume keeps it, whatever the cache learns meanwhile.
         return False
     try:
         speeds, probe_seconds = measure(trainer)

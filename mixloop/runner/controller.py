@@ -254,7 +254,8 @@ def _run_loops(trainer: Runnable, actions: list, stop: _StopRequest, num_batches
             metrics.update(_report_train(trainer, writer, step, interval))
             interval = reporting.Interval(step, trainer.state.skipped_totals())
         computed = _run_actions(trainer, writer, "train", step, [a for a in actions if a.is_due(step)],
-                                stop, reserved=reporting.BUILT_IN_TRAIN_TAGS)
+                                stop, taken=_train_metric_names(trainer),
+                                reserved=reporting.BUILT_IN_TRAIN_TAGS)
         if computed:
             writer.write("train", step, computed)
         if stop.signal_number is not None:  # Save at once: a scheduler's grace period is short.
@@ -302,6 +303,14 @@ def _run_actions(trainer: Runnable, writer: reporting.MetricWriter, split: str, 
             metrics.update(returned_metrics(action, returned, step, [*taken, *metrics], reserved))
     writer.flush(split)
     return metrics
+
+
+def _train_metric_names(trainer: Runnable) -> list[str]:
+    """The train metrics `compute_loss` reports, by name and as `name/objective`: tags an action's
+    metric may not reuse."""
+    names = trainer.train_metric_names
+    return [tag for objective, metrics in names.items() for metric in metrics
+            for tag in (metric, f"{metric}/{objective}")]
 
 
 def _kept_checkpoint(trainer: Runnable) -> str:

@@ -481,7 +481,7 @@ def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, sc
     variable_tallies = [_VariableTally(v.path, dtype, getattr(v, "overwrite_with_gradient", False))
                         for v, dtype in zip(variables, dtypes)]
     float32_net = _Net(twin, Policy.from_string("float32"), list(named_layers(twin).values()),
-                       _twin_variables(model, twin, variables), strays=variables)
+                       _twin_variables(model, twin, variables), strays=model.trainable_variables)
     order, float32_grads, states = _measure_float32(
         twin, _traced_pass(trainer, objective, float32_net, layer_dtypes), micro_batches, scale,
         layer_tallies, variable_tallies, relative_errors)
