@@ -270,6 +270,4 @@ def test_sigkill_resumes_a_momentum_target_bit_identical(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     restored = re.search(r"Restored \S+/ckpt-(\d+)", resumed.stderr)
     assert restored and 20 <= int(restored.group(1)) < 200, resumed.stderr[-3000:]
-    state = final_state(tmp_path / "killed")
-    assert any("target" in name for name in state), sorted(state)[:20]
     assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))
