@@ -373,3 +373,39 @@ def test_a_full_disk_at_the_compile_probe_is_one_line_and_leaves_no_lock(tmp_pat
                                         r"\(\.compile-probe-\); free some space"):
         tiny_experiment.TinyTrainer(config, str(tmp_path)).train()
     assert not (tmp_path / ".lock").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_full_disk_at_the_precision_probe_is_one_line_not_a_run_without_it(tmp_path, monkeypatch):
+    """The probe's folder cannot be made: the run stops in one line (it could save nothing either),
+    where it used to log "not probed" and train on to its first checkpoint."""
+    from mixloop.runner import workdir as workdir_module
+
+    real = workdir_module.tempfile.TemporaryDirectory
+
+    def no_space_for_the_probe(*args, **kwargs):
+        return (no_space if kwargs.get("prefix") == ".precision-probe-" else real)(*args, **kwargs)
+
+    monkeypatch.setattr(workdir_module.tempfile, "TemporaryDirectory", no_space_for_the_probe)
+    config = tiny_experiment.get_config()  # mixed_float16: float32_layers and initial_scale "auto".
+    assert config.precision.policy == "mixed_float16"
+    with pytest.raises(UserError, match=r"^cannot write to the workdir .*: No space left on device "
+                                        r"\(\.precision-probe-\); free some space"):
+        tiny_experiment.TinyTrainer(config, str(tmp_path)).train()
+    assert not (tmp_path / ".lock").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_full_disk_at_the_compile_probes_state_copy_is_one_line(tmp_path, monkeypatch):
+    """Not "could not time it without XLA" and a run that fails at its first checkpoint."""
+    from mixloop.runner import compile_mode
+
+    def full(self, path):
+        raise tf.errors.ResourceExhaustedError(None, None, f"{path}.index; No space left on device")
+
+    monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
+    monkeypatch.setattr(tiny_experiment.TinyTrainer, "save_state", full)
+    config = tiny_experiment.get_config()
+    config.precision.policy = "float32"  # The compile probe alone.
+    with pytest.raises(UserError, match=r"^cannot write to the workdir .*: the compile-mode probe "
+                                        r"could not copy the state \(No space left on device\)"):
+        tiny_experiment.TinyTrainer(config, str(tmp_path)).train()
+    assert not (tmp_path / ".lock").exists() and not (tmp_path / "checkpoints").exists()

@@ -97,6 +97,8 @@ def start(trainer) -> None:
             reports, found, evidence = _place(trainer, batches)
         else:
             reports, found, evidence = _probe(trainer, batches), [], []
+    except workdir.UnusableWorkdir:  # The run could not save either: it stops here, in one line.
+        raise
     except (UserError, tf.errors.OpError) as error:
         logging.warning("Automatic precision: not probed, %s; no layer moves and the loss scales "
                         "start where config.precision starts them", _probe_failure(error))

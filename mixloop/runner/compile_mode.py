@@ -247,6 +247,22 @@ def _known_rule(compute_dtype: Any) -> Optional[str]:
             "on TensorFlow's kernels (XLA on a CPU does not use them)")
 
 
+def _saved_state(trainer, directory: str) -> str:
+    """`trainer.save_state` into `directory` (the probe's way back).
+
+    Raises:
+      workdir.UnusableWorkdir: when the disk is full: the run could save no checkpoint either.
+    """
+    try:
+        return trainer.save_state(os.path.join(directory, "state"))
+    except (tf.errors.ResourceExhaustedError, OSError) as error:
+        reason = (error.message if isinstance(error, tf.errors.OpError) else str(error))
+        reason = reason.splitlines()[0].rpartition("; ")[2][:200] if reason else type(error).__name__
+        raise workdir.UnusableWorkdir(
+            f"cannot write to the workdir {trainer.workdir}: the compile-mode probe could not copy "
+            f"the state ({reason}); free some space or choose another --workdir") from None
+
+
 def is_mode(value: Any) -> bool:
     """Whether `value` is one of MODES itself: 1 equals True, but is no mode a run records."""
     return isinstance(value, bool) or value == ELEMENTWISE
@@ -264,7 +280,7 @@ def measure(trainer) -> tuple[dict[Mode, float], float]:
     current state, which it leaves as it was (the benchmark reports it too)."""
     started = time.perf_counter()
     with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
-        saved = trainer.save_state(os.path.join(directory, "state"))
+        saved = _saved_state(trainer, directory)
         try:
             seconds = {}
             for mode in MODES:

@@ -151,6 +151,11 @@ class WorkdirLock:
         os.remove(self.path)
 
 
+class UnusableWorkdir(UserError):
+    """The workdir cannot be written (a full disk, no free inodes, no permission): nothing the run
+    does after can be saved, so what would carry on without a result (a probe) stops too."""
+
+
 def _unusable_workdir(directory: str, error: OSError) -> UserError:
     """The one line for `directory` failing as a workdir with `error`: a file, under a file, or not
     writable (permissions, a read-only file system)."""
@@ -161,9 +166,9 @@ def _unusable_workdir(directory: str, error: OSError) -> UserError:
                          "choose another --workdir")
     where = "" if error.filename in (None, directory) else f" ({error.filename})"
     if error.errno == errno.ENOSPC:
-        return UserError(f"cannot write to the workdir {directory}: {error.strerror}{where}; "
+        return UnusableWorkdir(f"cannot write to the workdir {directory}: {error.strerror}{where}; "
                          "free some space or choose another --workdir")
-    return UserError(f"cannot write to the workdir {directory}: {error.strerror}{where}; "
+    return UnusableWorkdir(f"cannot write to the workdir {directory}: {error.strerror}{where}; "
                      "choose a --workdir you can write to")
 
 
