@@ -4,6 +4,7 @@ leaves exactly as a run configured in the chosen mode."""
 import collections
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -35,6 +36,8 @@ def pinned_speeds(monkeypatch):
     unless a test says otherwise, "elementwise" is the slowest). The loops still run. Yields the
     modes timed."""
     monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
+    monkeypatch.setattr(compile_mode, "PROBE_SHARE", math.inf)  # Every mode, however short the run.
+    monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": "avx2"})  # No rule.
     seconds, timed = {True: 1.0, False: 1.0, "elementwise": 10.0}, []
 
     def seconds_of_loop(trainer, num_updates):
@@ -216,6 +219,7 @@ def test_a_short_run_takes_xla_unprobed_and_several_replicas_graph_mode(tmp_path
 ])
 def test_a_mode_that_fails_in_the_probe(tmp_path, monkeypatch, failing_mode, error, chosen):
     monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
+    monkeypatch.setattr(compile_mode, "PROBE_SHARE", math.inf)  # Every mode, however short the run.
     real = compile_mode.seconds_of_loop
 
     def failing(trainer, num_updates):
@@ -350,3 +354,34 @@ def test_a_deterministic_run_never_takes_a_timed_choice_from_the_cache(tmp_path)
     compile_cache.store(compile_cache.key_of(compile_cache.setup(trainer)), "elementwise", {})
     trainer.train()
     assert trainer.jit_compile is True and resolved(tmp_path) == {"jit_compile": True}
+
+
+def test_the_probe_compiles_no_mode_past_its_share_of_the_run(tmp_path, pinned_speeds, monkeypatch,
+                                                            caplog):
+    """With the share spent by the first mode's compile, the run takes it, measured alone."""
+    timed = pinned_speeds[1]
+    monkeypatch.setattr(compile_mode, "PROBE_SHARE", 1e-9)
+    trainer = make_trainer(tmp_path)
+    with caplog.at_level(logging.INFO):
+        trainer.train()
+    assert set(timed) == {True} and trainer.jit_compile is True
+    [line] = [r.getMessage() for r in caplog.records if "jit_compile=auto measured" in r.getMessage()]
+    assert line.endswith("not timed without XLA, with XLA fusing its elementwise ops: the probe "
+                         "stays under 0% of the run's estimated time")
+    assert compile_mode._over_budget(10.0, 1, 1000, {True: 0.1}) is True  # 20 s > 5% of 100 s.
+    monkeypatch.setattr(compile_mode, "PROBE_SHARE", 0.05)
+    assert compile_mode._over_budget(10.0, 1, 1000, {True: 0.1}) is True
+    assert compile_mode._over_budget(2.0, 1, 1000, {True: 0.1}) is False  # 4 s < 5 s.
+    assert compile_mode._over_budget(3.0, 2, 1000, {True: 0.3, False: 0.1}) is False  # 4.5 s < 5 s.
+
+
+def test_a_bfloat16_probe_on_a_cpu_with_its_instructions_leaves_plain_xla_out(tmp_path, pinned_speeds,
+                                                                              monkeypatch, caplog):
+    timed = pinned_speeds[1]
+    monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": "avx512_bf16"})
+    trainer = make_trainer(tmp_path, **{"precision.policy": "mixed_bfloat16"})
+    with caplog.at_level(logging.INFO):
+        trainer.train()
+    assert set(timed) == {False, "elementwise"} and trainer.jit_compile is False
+    [line] = [r.getMessage() for r in caplog.records if "jit_compile=auto measured" in r.getMessage()]
+    assert "2 mode(s) compiled" in line and "; not timed with XLA: a bfloat16 policy" in line

@@ -47,7 +47,7 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import tensorflow as tf
 from absl import logging
@@ -63,6 +63,9 @@ MIN_PROBED_UPDATES = 250  # Fewer updates left than this: XLA, unprobed (the pro
 PROBE_ROUNDS = 3  # Timed loops per mode, interleaved; the median counts.
 PROBE_SECONDS = 0.3  # Each timed loop runs about this long (more updates for a fast step)...
 MAX_PROBE_UPDATES = 20  # ...but no more updates than this.
+# The probe compiles no further mode once that would take it past this share of the run's time
+# (estimated from the fastest step timed so far); the modes left are not measured.
+PROBE_SHARE = 0.05
 MODES = (True, False, ELEMENTWISE)
 Mode = Union[bool, str]
 JSON_NAMES = {True: "xla", False: "graph", ELEMENTWISE: "elementwise"}  # In the cache and the benchmark.
@@ -108,8 +111,9 @@ def step_with_xla(jit_compile: Optional[Mode]) -> bool:
 
 
 def fastest(speeds: dict[Mode, float]) -> Mode:
-    """The mode of `speeds` (examples/s by mode) with the most, the earlier of MODES on a tie."""
-    return max(MODES, key=speeds.get)
+    """The mode of `speeds` (examples/s by mode, the modes measured) with the most, the earlier of
+    MODES on a tie."""
+    return max((mode for mode in MODES if mode in speeds), key=speeds.get)
 
 
 def describe(jit_compile: Mode) -> str:
@@ -201,8 +205,10 @@ def choose(trainer) -> bool:
                      not mode, describe(not mode))
         _record(trainer, mode, measured_for)  # A resume keeps it, whatever the cache learns meanwhile.
         return False
+    rule = _known_rule(trainer.policy.compute_dtype)
+    modes = [mode for mode in MODES if not (mode is True and rule)]
     try:
-        speeds, probe_seconds = measure(trainer)
+        speeds, probe_seconds = measure(trainer, modes, run_updates=left)
     except tf.errors.OpError as error:
         failed = trainer.jit_compile
         chosen = ((failed is False) if isinstance(error, (tf.errors.UnimplementedError,
@@ -214,11 +220,15 @@ def choose(trainer) -> bool:
         return False
     chosen = fastest(speeds)
     trainer.set_jit_compile(chosen)
-    others = [mode for mode in MODES if mode != chosen]
-    logging.info("Train step %s: jit_compile=auto measured %.1f examples/s vs %s (probe: %.1f s, "
-                 "the %d modes compiled, state restored)", describe(chosen), speeds[chosen],
-                 ", ".join(f"{speeds[mode]:.1f} {describe(mode)}" for mode in others),
-                 probe_seconds, len(MODES))
+    others = [mode for mode in speeds if mode != chosen]
+    untimed = [describe(mode) for mode in modes if mode not in speeds]
+    logging.info("Train step %s: jit_compile=auto measured %.1f examples/s%s (probe: %.1f s, "
+                 "%d mode(s) compiled, state restored)%s%s", describe(chosen), speeds[chosen],
+                 " vs " + ", ".join(f"{speeds[mode]:.1f} {describe(mode)}" for mode in others)
+                 if others else "", probe_seconds, len(speeds),
+                 f"; not timed {describe(True)}: {rule}" if rule else "",
+                 f"; not timed {', '.join(untimed)}: the probe stays under {PROBE_SHARE:.0%} of "
+                 f"the run's estimated time" if untimed else "")
     _record(trainer, chosen, measured_for)
     if trainer.is_chief:
         compile_cache.store(cache_key, chosen, {JSON_NAMES[mode]: round(speed, 1)
@@ -245,6 +255,14 @@ def _known_rule(compute_dtype: Any) -> Optional[str]:
         return None
     return (f"a bfloat16 policy on a CPU with {' and '.join(f.upper() for f in found)} runs fastest "
             "on TensorFlow's kernels (XLA on a CPU does not use them)")
+
+
+def _over_budget(elapsed: float, num_measured: int, run_updates: int,
+                 seconds: dict[Mode, float]) -> bool:
+    """Whether compiling one more mode, at the cost of each so far, would take the probe past
+    PROBE_SHARE of `run_updates` updates at the fastest `seconds` per update timed."""
+    run_seconds = run_updates * min(seconds.values())
+    return elapsed * (num_measured + 1) / num_measured > PROBE_SHARE * run_seconds
 
 
 def _saved_state(trainer, directory: str) -> str:
@@ -275,15 +293,21 @@ def _measured_for(config: Any) -> dict[str, Any]:
             "model": json.loads(json.dumps(config.model.to_dict(), default=str))}
 
 
-def measure(trainer) -> tuple[dict[Mode, float], float]:
-    """The probe: ({mode: examples/s} for each of MODES, its seconds), timed from the trainer's
-    current state, which it leaves as it was (the benchmark reports it too)."""
+def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] = None
+            ) -> tuple[dict[Mode, float], float]:
+    """The probe: ({mode: examples/s} for each of `modes` measured, its seconds), timed from the
+    trainer's current state, which it leaves as it was (the benchmark reports it too). With
+    `run_updates` (the run's length) it compiles no further mode once that would take it past
+    PROBE_SHARE of the run's time at the fastest step timed so far: at least the first is measured."""
     started = time.perf_counter()
     with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
         saved = _saved_state(trainer, directory)
         try:
             seconds = {}
-            for mode in MODES:
+            for mode in modes:
+                if seconds and run_updates is not None and _over_budget(
+                        time.perf_counter() - started, len(seconds), run_updates, seconds):
+                    break
                 trainer.set_jit_compile(mode)
                 trainer.train_loop(1)  # Traces and compiles.
                 seconds[mode] = seconds_of_loop(trainer, 1)
@@ -291,9 +315,9 @@ def measure(trainer) -> tuple[dict[Mode, float], float]:
             num_updates = {mode: max(1, min(MAX_PROBE_UPDATES,
                                             math.ceil(PROBE_SECONDS / max(seconds[mode], 1e-9))))
                            for mode in seconds}
-            rounds = {mode: [] for mode in MODES}
+            rounds = {mode: [] for mode in seconds}
             for _ in range(PROBE_ROUNDS):
-                for mode in MODES:
+                for mode in seconds:
                     trainer.set_jit_compile(mode)
                     before = int(trainer.global_step.numpy())
                     seconds_taken = seconds_of_loop(trainer, num_updates[mode])
