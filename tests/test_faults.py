@@ -67,6 +67,22 @@ def test_nan_inputs_stop_the_run_naming_bad_data(tmp_path):
     assert checkpoint_steps(tmp_path) == [4]
 
 
+def test_nan_in_the_probe_batches_is_one_line_then_the_bad_data_error(tmp_path, caplog):
+    """Not "values up to 0, inf doublings" and "no dynamic loss scale ... to start" first."""
+    trainer = make_trainer(tmp_path, **{"data.nan_batches": [0, 1], "precision.float32_layers": "auto",
+                                        "precision.initial_scale": "auto"})
+    with caplog.at_level(logging.INFO), pytest.raises(guard.TrainingDiverged) as raised:
+        trainer.train()
+    assert "the batch's floating inputs contain inf or NaN" in str(raised.value)
+    automatic = [r.getMessage() for r in caplog.records
+                 if r.getMessage().startswith(("Automatic precision", "precision.float32_layers=auto",
+                                               "precision.initial_scale=auto"))
+                 or "doublings" in r.getMessage() or "no dynamic loss scale" in r.getMessage()]
+    assert automatic == ["Automatic precision: not probed, probe batch 1 of 2 holds inf or NaN in its "
+                         "floating values (bad data?); no layer moves and the loss scales start where "
+                         "config.precision starts them"], automatic
+
+
 def test_recovery_restores_the_last_checkpoint_and_goes_on(tmp_path, caplog):
     trainer = make_trainer(tmp_path, **{"data.nan_batches": [6], "train.max_recoveries": 1})
     trainer.train()

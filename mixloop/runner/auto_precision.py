@@ -93,6 +93,11 @@ def start(trainer) -> None:
     started = time.perf_counter()
     try:
         batches = _next_batches_put_back(trainer, precision.probe_batches)
+        bad = _non_finite_inputs(batches)
+        if bad:  # The probe would measure the data's NaN; the train step names it in its words.
+            logging.warning("Automatic precision: not probed, %s; no layer moves and the loss "
+                            "scales start where config.precision starts them", bad)
+            return
         if auto_layers:
             reports, found, evidence = _place(trainer, batches)
         else:
@@ -256,6 +261,17 @@ def _probe(trainer, batches: Iterable[Any]) -> list[PrecisionReport]:
     except tf.errors.OpError as error:
         raise UserError(f"the precision probe failed on the train batches: "
                         f"{controller.op_error_summary(error)}") from None
+
+
+def _non_finite_inputs(batches: list) -> str:
+    """Why the probe cannot measure `batches`, or '': some batch's floating values hold inf or
+    NaN (bad data: every figure would be NaN, and the advice made of them wrong)."""
+    for index, batch in enumerate(batches, 1):
+        for leaf in tf.nest.flatten(batch):
+            if tf.as_dtype(leaf.dtype).is_floating and not bool(tf.reduce_all(tf.math.is_finite(leaf))):
+                return (f"probe batch {index} of {len(batches)} holds inf or NaN in its floating "
+                        "values (bad data?)")
+    return ""
 
 
 def _probe_failure(error: Exception) -> str:
