@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -385,3 +386,27 @@ def test_a_bfloat16_probe_on_a_cpu_with_its_instructions_leaves_plain_xla_out(tm
     assert set(timed) == {False, "elementwise"} and trainer.jit_compile is False
     [line] = [r.getMessage() for r in caplog.records if "jit_compile=auto measured" in r.getMessage()]
     assert "2 mode(s) compiled" in line and "; not timed with XLA: a bfloat16 policy" in line
+
+
+def test_a_stop_during_the_probe_ends_it_at_its_next_loop_and_the_run_saves(tmp_path, pinned_speeds,
+                                                                           monkeypatch, caplog):
+    """SIGTERM after the probe's first timed loop: no further loop, the state put back, nothing
+    recorded (a resume measures), and the run saves step 0 and exits as a stop does."""
+    timed = pinned_speeds[1]
+    pinned = compile_mode.seconds_of_loop
+
+    def terminated_once_timed(trainer, num_updates):
+        taken = pinned(trainer, num_updates)
+        os.kill(os.getpid(), signal.SIGTERM)  # The run's handler only records the request.
+        return taken
+
+    monkeypatch.setattr(compile_mode, "seconds_of_loop", terminated_once_timed)
+    trainer = make_trainer(tmp_path)
+    with caplog.at_level(logging.INFO):
+        trainer.train()
+    assert timed == [True] and int(trainer.global_step.numpy()) == 0
+    assert resolved(tmp_path) == {}
+    assert os.path.exists(tmp_path / "checkpoints" / "ckpt-0.index")
+    messages = [r.getMessage() for r in caplog.records]
+    assert "jit_compile=auto: the probe gave up for the stop request, state restored" in messages
+    assert any(m.startswith("Stopped by SIGTERM at step 0; checkpoint saved") for m in messages)

@@ -47,7 +47,7 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import tensorflow as tf
 from absl import logging
@@ -161,10 +161,16 @@ def configured(jit_compile: Any, num_replicas: int) -> tuple[Optional[Mode], str
     return None, "jit_compile=auto: measured before the first update"
 
 
-def choose(trainer) -> bool:
+class _ProbeStopped(Exception):
+    """A stop (SIGTERM, Ctrl-C) came during the probe, which gave up at its next loop."""
+
+
+def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
     """Sets `trainer`'s compile mode when `config.jit_compile` is "auto" and nothing decided it yet
     (the module docstring), logging one line with the evidence; returns whether it compiled the
-    loop in the chosen mode (the probe did)."""
+    loop in the chosen mode (the probe did). A probe gives up at its next loop once
+    `stop_requested()`: the state is put back and the unprobed mode set, unrecorded, so that the
+    run saves and exits and its resume measures."""
     if trainer.jit_compile is not None:
         return False
     measured_for = _measured_for(trainer.config)
@@ -208,7 +214,12 @@ def choose(trainer) -> bool:
     rule = _known_rule(trainer.policy.compute_dtype)
     modes = [mode for mode in MODES if not (mode is True and rule)]
     try:
-        speeds, probe_seconds = measure(trainer, modes, run_updates=left)
+        speeds, probe_seconds = measure(trainer, modes, run_updates=left,
+                                        stop_requested=stop_requested)
+    except _ProbeStopped:
+        trainer.set_jit_compile(False if rule else True)  # As unprobed: by the rule, else XLA.
+        logging.info("jit_compile=auto: the probe gave up for the stop request, state restored")
+        return False
     except tf.errors.OpError as error:
         failed = trainer.jit_compile
         chosen = ((failed is False) if isinstance(error, (tf.errors.UnimplementedError,
@@ -257,6 +268,11 @@ def _known_rule(compute_dtype: Any) -> Optional[str]:
             "on TensorFlow's kernels (XLA on a CPU does not use them)")
 
 
+def _check_stop(stop_requested: Callable[[], bool]) -> None:
+    if stop_requested():
+        raise _ProbeStopped()
+
+
 def _over_budget(elapsed: float, num_measured: int, run_updates: int,
                  seconds: dict[Mode, float]) -> bool:
     """Whether compiling one more mode, at the cost of each so far, would take the probe past
@@ -293,12 +309,16 @@ def _measured_for(config: Any) -> dict[str, Any]:
             "model": json.loads(json.dumps(config.model.to_dict(), default=str))}
 
 
-def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] = None
-            ) -> tuple[dict[Mode, float], float]:
+def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] = None,
+            stop_requested: Callable[[], bool] = lambda: False) -> tuple[dict[Mode, float], float]:
     """The probe: ({mode: examples/s} for each of `modes` measured, its seconds), timed from the
     trainer's current state, which it leaves as it was (the benchmark reports it too). With
     `run_updates` (the run's length) it compiles no further mode once that would take it past
-    PROBE_SHARE of the run's time at the fastest step timed so far: at least the first is measured."""
+    PROBE_SHARE of the run's time at the fastest step timed so far: at least the first is measured.
+
+    Raises:
+      _ProbeStopped: at the first loop boundary after `stop_requested()` turned true.
+    """
     started = time.perf_counter()
     with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
         saved = _saved_state(trainer, directory)
@@ -308,8 +328,10 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
                 if seconds and run_updates is not None and _over_budget(
                         time.perf_counter() - started, len(seconds), run_updates, seconds):
                     break
+                _check_stop(stop_requested)
                 trainer.set_jit_compile(mode)
                 trainer.train_loop(1)  # Traces and compiles.
+                _check_stop(stop_requested)
                 seconds[mode] = seconds_of_loop(trainer, 1)
             # Per mode, about PROBE_SECONDS a loop: a mode 30x slower is timed on fewer updates.
             num_updates = {mode: max(1, min(MAX_PROBE_UPDATES,
@@ -318,6 +340,7 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
             rounds = {mode: [] for mode in seconds}
             for _ in range(PROBE_ROUNDS):
                 for mode in seconds:
+                    _check_stop(stop_requested)
                     trainer.set_jit_compile(mode)
                     before = int(trainer.global_step.numpy())
                     seconds_taken = seconds_of_loop(trainer, num_updates[mode])

@@ -11,7 +11,7 @@ import contextlib
 import re
 import signal
 import time
-from typing import Any, Collection, Optional, Protocol, Union
+from typing import Any, Callable, Collection, Optional, Protocol, Union
 
 import keras
 import ml_collections
@@ -57,9 +57,9 @@ class Runnable(Protocol):
     def train_loop(self, num_steps: int) -> dict[str, Any]:
         """Up to `num_steps` updates in one compiled call; per-objective totals as NumPy."""
 
-    def choose_compile_mode(self) -> bool:
-        """Decides the compile mode for jit_compile="auto", leaving the state as it was; whether
-        the chosen loop is compiled already."""
+    def choose_compile_mode(self, stop_requested: Callable[[], bool] = lambda: False) -> bool:
+        """Decides the compile mode for jit_compile="auto", leaving the state as it was, and giving
+        up a probe once `stop_requested()`; whether the chosen loop is compiled already."""
 
     def evaluate(self) -> dict[str, float]:
         """The eval metrics (with the EMA weights when on)."""
@@ -170,7 +170,8 @@ def train(trainer: Runnable) -> dict[str, float]:
             workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
         trainer.start_precision()  # From the restored weights, before the first trace.
         # After the placement, which changes what is compiled.
-        probed = trainer.choose_compile_mode()
+        # A stop during the probe ends it at its next loop; the run then saves and exits.
+        probed = trainer.choose_compile_mode(lambda: stop.signal_number is not None)
         logging.info("%s", memory.persistent_state(trainer).describe())  # As placed and compiled.
         metrics, reason = _run_loops(trainer, actions, stop, num_batches, compiled=probed)
         step = int(trainer.global_step.numpy())

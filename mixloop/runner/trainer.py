@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import keras
 import ml_collections
@@ -219,12 +219,13 @@ class Trainer:
         self.set_jit_compile(self.jit_compile)
         self._eval_step = tf.function(self._eval_batch)
 
-    def choose_compile_mode(self) -> bool:
+    def choose_compile_mode(self, stop_requested: Callable[[], bool] = lambda: False) -> bool:
         """Decides `jit_compile` for config.jit_compile="auto" (`compile_mode.choose`: recorded in
         the workdir, a rule, or timing both modes from the current state, which it leaves as it
-        was); the controller calls it after `start_precision`. Does nothing once decided. Returns
-        whether the chosen loop is compiled already (the probe ran it)."""
-        return compile_mode.choose(self)
+        was; a probe gives up at its next loop once `stop_requested()`); the controller calls it
+        after `start_precision`. Does nothing once decided. Returns whether the chosen loop is
+        compiled already (the probe ran it)."""
+        return compile_mode.choose(self, stop_requested)
 
     def set_jit_compile(self, jit_compile: Optional[compile_mode.Mode]) -> None:
         """Runs the train step in compile mode `jit_compile` (`compile_mode.MODES`) from the next
