@@ -46,8 +46,7 @@ import tensorflow as tf
 import mixloop
 from mixloop.config import base_config
 
-from experiments.digits import NUM_CLASSES, load_digits_arrays, split_indices
-from experiments.simclr_digits import FEW_LABELS_PER_CLASS, Augment, nearest_neighbor_accuracy
+from experiments.simclr_digits import Augment, SimCLRTrainer, nearest_neighbor_accuracy
 
 IMAGE_SHAPE = (8, 8, 1)
 
@@ -177,24 +176,8 @@ class BYOLTrainer(mixloop.Trainer):
         return {"model": mixloop.Objective(self.model, mixloop.build_optimizer(self.config),
                                            after_update=follow_online)}
 
-    def build_datasets(self) -> tuple[tf.data.Dataset, tf.data.Dataset]:
-        """Shuffled train batches and in-order eval batches of (images, labels), split by a fixed
-        permutation (the labels only for the 1-NN eval). Keeps the arrays the eval reads."""
-        images, labels = load_digits_arrays()
-        eval_index, train_index = split_indices(len(labels), self.config.data)
-        rng = np.random.default_rng(self.config.data.split_seed)
-        few = np.concatenate([rng.choice(train_index[labels[train_index] == digit],
-                                         FEW_LABELS_PER_CLASS, replace=False)
-                              for digit in range(NUM_CLASSES)])
-        self.probe = {"train": (images[train_index], labels[train_index]),
-                      "few": (images[few], labels[few]), "eval": (images[eval_index], labels[eval_index])}
-        batch_size = self.config.train.batch_size
-        train = (tf.data.Dataset.from_tensor_slices((images[train_index], labels[train_index]))
-                 .shuffle(len(train_index), seed=self.config.seed, reshuffle_each_iteration=True)
-                 .batch(batch_size, drop_remainder=True))
-        evaluation = (tf.data.Dataset.from_tensor_slices((images[eval_index], labels[eval_index]))
-                      .batch(batch_size, drop_remainder=True))
-        return train, evaluation
+    # simclr_digits' split, few-label set and batches; its `probe` arrays are what the eval reads.
+    build_datasets = SimCLRTrainer.build_datasets
 
     def compute_loss(self, outputs: dict, batch: tuple) -> tf.Tensor:
         """The BYOL loss, averaged over the batch and the two directions."""

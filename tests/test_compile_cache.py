@@ -6,18 +6,9 @@ import logging
 import os
 
 import pytest
-import tiny_experiment
+from test_compile_mode import make_trainer
 
-from mixloop.runner import compile_cache, compile_mode
-
-
-def make_trainer(workdir, **overrides):
-    config = tiny_experiment.get_config()
-    config.train.num_steps = 20
-    for key, value in overrides.items():
-        section, _, field = key.rpartition(".")
-        (config[section] if section else config)[field] = value
-    return tiny_experiment.TinyTrainer(config, str(workdir))
+from mixloop.runner import compile_cache
 
 
 def test_a_changed_batch_policy_or_model_is_another_key(tmp_path):
