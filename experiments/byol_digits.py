@@ -44,61 +44,27 @@ import numpy as np
 import tensorflow as tf
 
 import mixloop
-from mixloop.config import base_config
 
-from experiments.simclr_digits import Augment, SimCLRTrainer, nearest_neighbor_accuracy
+from experiments.simclr_digits import (Augment, SimCLRTrainer, build_encoder,
+                                       nearest_neighbor_accuracy, two_view_config)
 
 IMAGE_SHAPE = (8, 8, 1)
 
 
 def get_config(arg: Optional[str] = None) -> ml_collections.ConfigDict:
     """The default run, or with `arg="quick"` a tiny one for tests and smoke runs."""
-    config = base_config()
+    config = two_view_config("byol_digits", arg)  # simclr_digits' encoder, augmentation and schedule.
     config.trainer = "experiments.byol_digits.BYOLTrainer"  # The Trainer subclass below.
-    config.seed = 0  # Initialization, augmentation and example order.
     config.precision.policy = "float32"  # Trains in all three; docs/results.md compares them.
 
-    config.model.channels = (32, 64)  # Encoder: 3x3 convolutions, the second with stride 2.
-    config.model.representation_dim = 128  # The encoder's output, read by the 1-NN eval.
     config.model.hidden_dim = 256  # Hidden units of the projector and of the predictor.
     config.model.projection_dim = 64  # The projector's and the predictor's output.
     config.model.target_decay = 0.99  # The target's moving average: target <- d * target + (1 - d) * online.
-    config.model.max_shift = 1  # Augmentation: random shift in pixels, each axis.
-    config.model.contrast = 0.3  # Augmentation: intensity multiplied by 1 +- this, uniformly.
-    config.model.noise = 0.1  # Augmentation: Gaussian pixel noise (pixels in [0, 1]).
-
-    config.data.num_eval = 384  # Held-out images: 3 eval batches of 128.
-    config.data.split_seed = 0  # The permutation that chooses them; fixed apart from `seed`.
-
-    config.train.num_steps = 1500  # About 140 passes over the 1,413 train images.
-    config.train.batch_size = 128  # Images per update, each seen in two views.
-    config.train.steps_per_loop = 50  # Updates per compiled loop call.
-    config.train.log_every_steps = 250  # Console progress line.
-    config.train.repeat_dataset = True  # Many passes over the train images.
-
-    config.optimizer.name = "adamw"  # Adam with decoupled weight decay.
-    config.optimizer.learning_rate = 2e-3  # Peak learning rate.
-    config.optimizer.schedule = "cosine"  # Cosine decay to 0 after warm-up.
-    config.optimizer.warmup_steps = 100  # Linear warm-up from 0.
-    config.optimizer.weight_decay = 1e-4  # Decoupled weight decay.
-
-    config.eval.every_steps = 500  # Evaluate three times over the run.
-    config.checkpoint.every_steps = 500  # Save three times.
 
     if arg == "quick":
-        config.model.channels = (8, 16)  # Narrow.
-        config.model.representation_dim = 32  # Narrow.
         config.model.hidden_dim = 32  # Narrow.
         config.model.projection_dim = 16  # Narrow.
         config.model.target_decay = 0.9  # A target that visibly moves in a few updates.
-        config.train.num_steps = 40  # A few dozen updates.
-        config.train.steps_per_loop = 10  # Four loop calls.
-        config.train.log_every_steps = 20  # Two progress lines.
-        config.optimizer.warmup_steps = 5  # Short warm-up.
-        config.eval.every_steps = 20  # Evaluate twice.
-        config.checkpoint.every_steps = 20  # Save twice.
-    elif arg:
-        raise ValueError(f"unknown byol_digits config variant {arg!r}; expected 'quick' or none")
     return config
 
 
@@ -129,17 +95,9 @@ def _mlp(hidden_dim: int, output_dim: int, name: str) -> keras.Sequential:
 
 
 def _tower(m: ml_collections.ConfigDict, name: str) -> keras.Sequential:
-    """The encoder (its output: the representation) and the projector, built."""
-    encoder = keras.Sequential([
-        keras.layers.Conv2D(m.channels[0], 3, padding="same", activation="relu", name="conv0"),
-        keras.layers.Conv2D(m.channels[1], 3, strides=2, padding="same", activation="relu",
-                            name="conv1"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(m.representation_dim, activation="relu", name="representation"),
-    ], name="encoder")
-    tower = keras.Sequential([keras.Input(IMAGE_SHAPE), encoder,
-                              _mlp(m.hidden_dim, m.projection_dim, "projector")], name=name)
-    return tower
+    """simclr_digits' encoder (its output: the representation) and the projector, built."""
+    return keras.Sequential([keras.Input(IMAGE_SHAPE), build_encoder(m),
+                             _mlp(m.hidden_dim, m.projection_dim, "projector")], name=name)
 
 
 class BYOLTrainer(mixloop.Trainer):

@@ -53,15 +53,31 @@ FEW_LABELS_PER_CLASS = 5  # Labelled train digits per class for `few_label_accur
 
 def get_config(arg: Optional[str] = None) -> ml_collections.ConfigDict:
     """The default run, or with `arg="quick"` a tiny one for tests and smoke runs."""
-    config = base_config()
+    config = two_view_config("simclr_digits", arg)
     config.trainer = "experiments.simclr_digits.SimCLRTrainer"  # The Trainer subclass below.
-    config.seed = 0  # Initialization, augmentation and example order.
     config.precision.policy = "mixed_float16"  # A dynamic loss scale through both passes.
+
+    config.model.projection_dim = 32  # The head's output, where NT-Xent compares views.
+    config.model.temperature = 0.2  # NT-Xent's temperature.
+
+    config.train.accumulation_steps = 4  # Four micro-batches of 32 images...
+    config.train.batch_loss = True  # ...and NT-Xent over all 256 projections (two passes).
+    return config
+
+
+def two_view_config(experiment: str, arg: Optional[str]) -> ml_collections.ConfigDict:
+    """What the digits' two-view experiments (this one, byol_digits) share: the encoder, the
+    augmentation, the split and 1,500 AdamW updates of 128 images, or with `arg="quick"` 40 updates
+    of a narrower encoder.
+
+    Raises:
+      ValueError: for an `arg` other than "quick" or none, naming `experiment`.
+    """
+    config = base_config()
+    config.seed = 0  # Initialization, augmentation and example order.
 
     config.model.channels = (32, 64)  # Encoder: 3x3 convolutions, the second with stride 2.
     config.model.representation_dim = 128  # The encoder's output, read by the 1-NN eval.
-    config.model.projection_dim = 32  # The head's output, where NT-Xent compares views.
-    config.model.temperature = 0.2  # NT-Xent's temperature.
     config.model.max_shift = 1  # Augmentation: random shift in pixels, each axis.
     config.model.contrast = 0.3  # Augmentation: intensity multiplied by 1 +- this, uniformly.
     config.model.noise = 0.1  # Augmentation: Gaussian pixel noise (pixels in [0, 1]).
@@ -70,9 +86,7 @@ def get_config(arg: Optional[str] = None) -> ml_collections.ConfigDict:
     config.data.split_seed = 0  # The permutation that chooses them; fixed apart from `seed`.
 
     config.train.num_steps = 1500  # About 140 passes over the 1,413 train images.
-    config.train.batch_size = 128  # Images per update: 128 pairs of views, 256 projections.
-    config.train.accumulation_steps = 4  # Four micro-batches of 32 images...
-    config.train.batch_loss = True  # ...and NT-Xent over all 256 projections (two passes).
+    config.train.batch_size = 128  # Images per update, each seen in two views.
     config.train.steps_per_loop = 50  # Updates per compiled loop call.
     config.train.log_every_steps = 250  # Console progress line.
     config.train.repeat_dataset = True  # Many passes over the train images.
@@ -96,7 +110,7 @@ def get_config(arg: Optional[str] = None) -> ml_collections.ConfigDict:
         config.eval.every_steps = 20  # Evaluate twice.
         config.checkpoint.every_steps = 20  # Save twice.
     elif arg:
-        raise ValueError(f"unknown simclr_digits config variant {arg!r}; expected 'quick' or none")
+        raise ValueError(f"unknown {experiment} config variant {arg!r}; expected 'quick' or none")
     return config
 
 
@@ -154,6 +168,19 @@ def nearest_neighbor_accuracy(reference: np.ndarray, reference_labels: np.ndarra
     return float(np.mean(reference_labels[nearest] == query_labels))
 
 
+def build_encoder(m: ml_collections.ConfigDict) -> keras.Sequential:
+    """The `encoder`: images [B, 8, 8, 1] -> their representations [B, representation_dim] (what
+    the 1-NN eval reads), through two 3x3 convolutions, the second with stride 2. Built where it is
+    first called, so that its variables' paths start with the model that calls it."""
+    return keras.Sequential([
+        keras.layers.Conv2D(m.channels[0], 3, padding="same", activation="relu", name="conv0"),
+        keras.layers.Conv2D(m.channels[1], 3, strides=2, padding="same", activation="relu",
+                            name="conv1"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(m.representation_dim, activation="relu", name="representation"),
+    ], name="encoder")
+
+
 class SimCLRTrainer(mixloop.Trainer):
     """Contrastive learning of digit representations; eval reports NT-Xent on held-out images and
     the 1-NN accuracies of the encoder's representations."""
@@ -163,14 +190,7 @@ class SimCLRTrainer(mixloop.Trainer):
         m = self.config.model
         images = keras.Input(IMAGE_SHAPE, name="images")
         augment = Augment(m.max_shift, m.contrast, m.noise, seed=self.config.seed, name="augment")
-        encoder = keras.Sequential([
-            keras.Input(IMAGE_SHAPE),
-            keras.layers.Conv2D(m.channels[0], 3, padding="same", activation="relu", name="conv0"),
-            keras.layers.Conv2D(m.channels[1], 3, strides=2, padding="same", activation="relu",
-                                name="conv1"),
-            keras.layers.Flatten(),
-            keras.layers.Dense(m.representation_dim, activation="relu", name="representation"),
-        ], name="encoder")
+        encoder = build_encoder(m)
         projection = keras.Sequential([
             keras.Input((m.representation_dim,)),
             keras.layers.Dense(m.representation_dim, activation="relu", name="hidden"),

@@ -97,6 +97,26 @@ def assert_same_state(workdir, reference):
         np.testing.assert_array_equal(state[name], value, err_msg=name)
 
 
+def kill_after_checkpoint_and_resume(command, tmp_path, step, cwd=None):
+    """Runs the command line `command(workdir)` to its end in `tmp_path / "straight"`; in
+    `tmp_path / "killed"` SIGKILLs it once checkpoint `step` is whole, then runs it again to its end.
+    Asserts both runs' ends bit-identical; returns the step of the checkpoint the second run restored
+    (`step` or later)."""
+    straight = cli_runs.run(*command(tmp_path / "straight"), cwd=cwd)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = cli_runs.start(*command(tmp_path / "killed"), cwd=cwd, stderr=subprocess.DEVNULL)
+    wait_until_saved(killed, tmp_path / "killed", step)
+    killed.kill()
+    killed.wait(timeout=60)
+    resumed = cli_runs.run(*command(tmp_path / "killed"), cwd=cwd)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    checkpoints = re.escape(str(tmp_path / "killed" / "checkpoints"))
+    restored = re.search(rf"Restored {checkpoints}/ckpt-(\d+)", resumed.stderr)
+    assert restored and int(restored.group(1)) >= step, resumed.stderr[-3000:]
+    assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))
+    return int(restored.group(1))
+
+
 @pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_ctrl_c_save_and_exit_cleanly(tmp_path, reference, signal_number):
     run = Run(tmp_path)
@@ -162,18 +182,8 @@ def test_sigkill_keeps_the_cadence_of_an_objective_every_5_steps(tmp_path):
                 f"--workdir={workdir}", "--config.checkpoint.every_steps=48", "--config.jit_compile=False",
                 "--config.precision.float32_layers=", "--config.precision.initial_scale=16384"]
 
-    straight = cli_runs.run(*command(tmp_path / "straight"), cwd=repo)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = cli_runs.start(*command(tmp_path / "killed"), cwd=repo, stderr=subprocess.DEVNULL)
-    wait_until_saved(killed, tmp_path / "killed", 48)
-    killed.kill()
-    killed.wait(timeout=60)
-    resumed = cli_runs.run(*command(tmp_path / "killed"), cwd=repo)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Restored {tmp_path / 'killed' / 'checkpoints' / 'ckpt-48'}" in resumed.stderr
-    state = final_state(tmp_path / "killed")
-    assert any(name.startswith("objectives/generator") for name in state)
-    assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))
+    assert kill_after_checkpoint_and_resume(command, tmp_path, 48, cwd=repo) == 48
+    assert any(name.startswith("objectives/generator") for name in final_state(tmp_path / "killed"))
 
 
 def test_sigkill_resumes_float8_training_bit_identical(tmp_path):
@@ -185,19 +195,10 @@ def test_sigkill_resumes_float8_training_bit_identical(tmp_path):
                 f"--workdir={workdir}", "--config.jit_compile=False",
                 "--config.precision.float32_layers=", "--config.precision.initial_scale=32768"]
 
-    straight = cli_runs.run(*command(tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = cli_runs.start(*command(tmp_path / "killed"), stderr=subprocess.DEVNULL)
-    wait_until_saved(killed, tmp_path / "killed", 10)
-    killed.kill()
-    killed.wait(timeout=60)
-    resumed = cli_runs.run(*command(tmp_path / "killed"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Restored {tmp_path / 'killed' / 'checkpoints' / 'ckpt-10'}" in resumed.stderr
+    assert kill_after_checkpoint_and_resume(command, tmp_path, 10) == 10
     state = final_state(tmp_path / "killed")
     histories = [value for value in state.values() if value.shape == (1024,)]  # Keras's amax length.
     assert len(histories) == 9 and all(history[0] > 0 for history in histories)  # 3 layers, trained.
-    assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))
 
 
 def test_sigkill_resumes_a_lighter_run_bit_identical(tmp_path):
@@ -223,21 +224,9 @@ def test_sigkill_resumes_a_lighter_run_bit_identical(tmp_path):
         return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
                 if name.startswith("ema/")}
 
-    straight = cli_runs.run(*command(tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = cli_runs.start(*command(tmp_path / "killed"), stderr=subprocess.DEVNULL)
-    wait_until_saved(killed, tmp_path / "killed", 40)
-    killed.kill()
-    killed.wait(timeout=60)
-    resumed = cli_runs.run(*command(tmp_path / "killed"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    restored = re.search(r"Restored \S+/ckpt-(\d+)", resumed.stderr)
-    assert restored and 40 <= int(restored.group(1)) < 400, resumed.stderr[-3000:]
-
-    state = final_state(tmp_path / "killed")
-    dtypes = {value.dtype.name for value in state.values()}
+    assert kill_after_checkpoint_and_resume(command, tmp_path, 40) < 400
+    dtypes = {value.dtype.name for value in final_state(tmp_path / "killed").values()}
     assert {"bfloat16", "uint8"} <= dtypes, dtypes
-    assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))
     expected, actual = averages(tmp_path / "straight"), averages(tmp_path / "killed")
     assert len(expected) == 4 and actual.keys() == expected.keys()
     for name, value in expected.items():
@@ -260,14 +249,4 @@ def test_sigkill_resumes_a_momentum_target_bit_identical(tmp_path):
                 "--config.precision.initial_scale=32768", "--config.train.num_steps=200",
                 "--config.eval.every_steps=200", "--config.checkpoint.every_steps=20"]
 
-    straight = cli_runs.run(*command(tmp_path / "straight"), cwd=repo)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = cli_runs.start(*command(tmp_path / "killed"), cwd=repo, stderr=subprocess.DEVNULL)
-    wait_until_saved(killed, tmp_path / "killed", 20)
-    killed.kill()
-    killed.wait(timeout=60)
-    resumed = cli_runs.run(*command(tmp_path / "killed"), cwd=repo)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    restored = re.search(r"Restored \S+/ckpt-(\d+)", resumed.stderr)
-    assert restored and 20 <= int(restored.group(1)) < 200, resumed.stderr[-3000:]
-    assert_same_state(tmp_path / "killed", final_state(tmp_path / "straight"))
+    assert kill_after_checkpoint_and_resume(command, tmp_path, 20, cwd=repo) < 200

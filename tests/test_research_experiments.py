@@ -19,30 +19,29 @@ def experiments(monkeypatch):
     return lambda name: importlib.import_module(f"experiments.{name}")
 
 
-def finished_eval(stderr):
-    """{metric: value} from the eval part of the run's `Finished ...` line."""
-    line = [l for l in stderr.splitlines() if "Finished at step" in l][-1]
+def quick_run(experiment, workdir):
+    """Runs experiments/`experiment`.py:quick through the CLI to its end: its stderr and {metric:
+    value} from the eval part of its `Finished ...` line."""
+    result = run_cli(f"--config=experiments/{experiment}.py:quick", f"--workdir={workdir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = [l for l in result.stderr.splitlines() if "Finished at step" in l][-1]
     words = line.split("Eval: ", 1)[1].rstrip(".").split()
-    return dict(zip(words[::2], map(float, words[1::2])))
+    return result.stderr, dict(zip(words[::2], map(float, words[1::2])))
 
 
 @pytest.mark.slow
 def test_ddpm_quick_run_reports_its_samples_frechet_distance_when_it_finishes(tmp_path):
-    result = run_cli("--config=experiments/ddpm_digits.py:quick", f"--workdir={tmp_path}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = finished_eval(result.stderr)
+    stderr, metrics = quick_run("ddpm_digits", tmp_path)
     assert set(metrics) == {"loss", "frechet_distance", "confidence", "classes_covered"}, metrics
     # Above held-out real digits' 0.13, at most blank images' 15: 60 updates make no digits.
     assert 0.13 < metrics["frechet_distance"] < 15.0, metrics
     assert 0.0 < metrics["loss"] < 2.0, metrics  # Predicting zero noise scores 1.
-    assert "eval at step 60: classes_covered" in result.stderr
+    assert "eval at step 60: classes_covered" in stderr
 
 
 @pytest.mark.slow
 def test_byol_quick_run_reports_its_representations_accuracies_when_it_finishes(tmp_path):
-    result = run_cli("--config=experiments/byol_digits.py:quick", f"--workdir={tmp_path}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = finished_eval(result.stderr)
+    _, metrics = quick_run("byol_digits", tmp_path)
     assert set(metrics) == {"loss", "knn_accuracy", "few_label_accuracy", "spread"}, metrics
     assert 0.5 < metrics["knn_accuracy"] <= 1.0 and 0.1 < metrics["few_label_accuracy"] <= 1.0
     assert 0.0 <= metrics["loss"] <= 4.0 and metrics["spread"] > 0.0, metrics

@@ -355,41 +355,27 @@ def test_a_probe_folder_a_full_disk_refuses_is_one_line(tmp_path, monkeypatch, p
                                  f"({prefix}); free some space or choose another --workdir")
 
 
-def test_a_full_disk_at_the_compile_probe_is_one_line_and_leaves_no_lock(tmp_path, monkeypatch):
+@pytest.mark.parametrize("prefix, policy", [
+    (".compile-probe-", "float32"),  # The compile probe alone.
+    (".precision-probe-", "mixed_float16"),  # float32_layers and initial_scale "auto": probed first.
+])
+def test_a_full_disk_at_a_probe_is_one_line_and_leaves_no_lock(tmp_path, monkeypatch, prefix, policy):
+    """The probe's folder cannot be made: the run stops in one line (it could save nothing either),
+    where the precision probe used to log "not probed" and train on to its first checkpoint."""
     from mixloop.runner import compile_mode
     from mixloop.runner import workdir as workdir_module
 
     real = workdir_module.tempfile.TemporaryDirectory
 
-    def no_space_for_probes(*args, **kwargs):  # The iterator's own temporary folder is elsewhere.
-        return (no_space if kwargs.get("prefix") in workdir_module.SCRATCH_PREFIXES else real)(
-            *args, **kwargs)
+    def no_space_for_the_probe(*args, **kwargs):  # The iterator's own temporary folder is elsewhere.
+        return (no_space if kwargs.get("prefix") == prefix else real)(*args, **kwargs)
 
     monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
-    monkeypatch.setattr(workdir_module.tempfile, "TemporaryDirectory", no_space_for_probes)
-    config = tiny_experiment.get_config()
-    config.precision.policy = "float32"  # The compile probe alone.
-    with pytest.raises(UserError, match=r"^cannot write to the workdir .*: No space left on device "
-                                        r"\(\.compile-probe-\); free some space"):
-        tiny_experiment.TinyTrainer(config, str(tmp_path)).train()
-    assert not (tmp_path / ".lock").exists() and not (tmp_path / "checkpoints").exists()
-
-
-def test_a_full_disk_at_the_precision_probe_is_one_line_not_a_run_without_it(tmp_path, monkeypatch):
-    """The probe's folder cannot be made: the run stops in one line (it could save nothing either),
-    where it used to log "not probed" and train on to its first checkpoint."""
-    from mixloop.runner import workdir as workdir_module
-
-    real = workdir_module.tempfile.TemporaryDirectory
-
-    def no_space_for_the_probe(*args, **kwargs):
-        return (no_space if kwargs.get("prefix") == ".precision-probe-" else real)(*args, **kwargs)
-
     monkeypatch.setattr(workdir_module.tempfile, "TemporaryDirectory", no_space_for_the_probe)
-    config = tiny_experiment.get_config()  # mixed_float16: float32_layers and initial_scale "auto".
-    assert config.precision.policy == "mixed_float16"
-    with pytest.raises(UserError, match=r"^cannot write to the workdir .*: No space left on device "
-                                        r"\(\.precision-probe-\); free some space"):
+    config = tiny_experiment.get_config()
+    config.precision.policy = policy
+    with pytest.raises(UserError, match=rf"^cannot write to the workdir .*: No space left on device "
+                                        rf"\({re.escape(prefix)}\); free some space"):
         tiny_experiment.TinyTrainer(config, str(tmp_path)).train()
     assert not (tmp_path / ".lock").exists() and not (tmp_path / "checkpoints").exists()
 
