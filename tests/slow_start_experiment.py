@@ -1,6 +1,9 @@
 """tiny_experiment whose build_model says so on stderr and then waits: a startup to interrupt.
 
-For the tests of Ctrl-C and SIGTERM before training starts (tests/test_train_cli.py).
+For the tests of Ctrl-C and SIGTERM before training starts (tests/test_train_cli.py). The `probe`
+variant builds its model at once and waits in the precision probe instead, when the probe builds
+its float32 twin (build_model's second call): a stop during the probe
+(tests/test_auto_precision.py).
 """
 
 import sys
@@ -9,6 +12,8 @@ import time
 import tiny_experiment
 
 BUILDING = "slow_start_experiment: building the model"  # The line the tests wait for.
+BUILDING_TWIN = "slow_start_experiment: building the probe's float32 twin"  # The probe's.
+TWIN_SECONDS = 3  # Long enough for the test's signal to come while the twin is built.
 
 
 class SlowStartTrainer(tiny_experiment.TinyTrainer):
@@ -18,7 +23,16 @@ class SlowStartTrainer(tiny_experiment.TinyTrainer):
         return super().build_model()
 
 
+class SlowProbeTrainer(tiny_experiment.TinyTrainer):
+    def build_model(self):
+        if hasattr(self, "model"):  # Built already: this is the probe's twin.
+            print(BUILDING_TWIN, file=sys.stderr, flush=True)
+            time.sleep(TWIN_SECONDS)  # The signal's handler runs; the sleep goes on.
+        return super().build_model()
+
+
 def get_config(arg=None):
     config = tiny_experiment.get_config(arg)
-    config.trainer = "slow_start_experiment.SlowStartTrainer"
+    config.trainer = ("slow_start_experiment.SlowProbeTrainer" if arg == "probe"
+                      else "slow_start_experiment.SlowStartTrainer")
     return config

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 
 import cli_runs
 import faulty_experiment
@@ -17,6 +18,7 @@ import hot_experiment
 import keras
 import pytest
 import second_order_experiment
+import slow_start_experiment
 import tensorflow as tf
 import tiny_experiment
 
@@ -307,14 +309,15 @@ def traced_dtypes(trainer):
     return sorted(typed(node) for node in nodes)
 
 
-def started_tiny(directory, module=tiny_experiment, variant=None, **overrides):
+def started_tiny(directory, module=tiny_experiment, variant=None, stop_requested=lambda: False,
+                 **overrides):
     """A tiny trainer (`module`'s) after the controller's start: config.json written, then
-    `start_precision`."""
+    `start_precision(stop_requested)`."""
     trainer = make_trainer(module, variant, directory, **overrides)
     os.makedirs(directory)
     workdir.write_config(str(directory), trainer.config, 0)
     with absl_messages() as log:
-        trainer.start_precision()
+        trainer.start_precision(stop_requested)
     return trainer, log
 
 
@@ -355,6 +358,62 @@ def test_a_loss_the_probe_cannot_measure_is_one_line_and_no_advice(tmp_path):
     assert "\n" not in line
     assert float(trainer.objectives["model"].loss_scale.scale.numpy()) == 2.0**15
     assert not (tmp_path / "run" / "precision").exists()
+
+
+def test_the_probe_asks_for_a_stop_in_each_pass_and_gives_up_with_everything_as_it_was(tmp_path):
+    """A stop at the probe's asks (after the twin's build, before each pass, at each layer call,
+    backward step and layer's statistics while a pass is traced): no layer moves, the weights are
+    bit-identical, the loss scale and the data position as they were, nothing is recorded, and the
+    run's own step traces as without a probe, and trains."""
+    asks = itertools.count(1)
+    started_tiny(tmp_path / "counted", stop_requested=lambda: next(asks) < 0)
+    num_asks = next(asks) - 1
+    # Beyond the 1 + 4 asks outside the passes (2 micro-batches, a float32 and a mixed pass each),
+    # 11 in each pass's tracing: its 3 layer calls, 5 backward steps and 3 layers' statistics.
+    assert num_asks == 1 + 4 * 2 + 2 * (3 + 5 + 3)
+    plain, _ = started_tiny(tmp_path / "plain", **PLAIN)
+    first_batch, plain_step = tf.nest.flatten(next(plain.train_iterator)), traced_dtypes(plain)
+    # After the twin's build; at a layer call, a backward step and a layer's statistics in the
+    # float32 pass's tracing; a layer call in the mixed pass's; before the last pass.
+    for stop_at in [1, 4, 7, 12, 19, num_asks - 1]:
+        asks = itertools.count(1)
+        directory = tmp_path / f"stopped-at-{stop_at}"
+        trainer, log = started_tiny(directory, stop_requested=lambda: next(asks) >= stop_at)
+
+        [line] = [m for m in log if m.startswith("Automatic precision:")]
+        assert line.startswith("Automatic precision: the probe gave up for the stop request after")
+        assert line.endswith("s; no layer moves, nothing recorded")
+        assert compute_dtypes(trainer) == compute_dtypes(plain)
+        assert all((a.numpy() == b.numpy()).all()
+                   for a, b in zip(trainer.model.variables, plain.model.variables))
+        assert float(trainer.objectives["model"].loss_scale.scale.numpy()) == 2.0**15
+        assert workdir.read_resolved(str(directory)) == {}
+        assert not (directory / "precision").exists()
+        assert all((a.numpy() == b.numpy()).all()  # The data position put back.
+                   for a, b in zip(first_batch, tf.nest.flatten(next(trainer.train_iterator))))
+        assert traced_dtypes(trainer) == plain_step
+    trainer.train_loop(1)
+    assert int(trainer.global_step.numpy()) == 1
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_probe_gives_it_up_and_the_run_saves_step_0(tmp_path):
+    """The probe's twin takes slow_start_experiment.TWIN_SECONDS to build; SIGTERM comes then, and
+    the probe stops right after it: no placement line, nothing recorded, step 0 saved."""
+    returncode, stderr = cli_runs.interrupted(
+        "mixloop.train", f"--config={TESTS_DIR}/slow_start_experiment.py:probe",
+        f"--workdir={tmp_path}", signal_number=signal.SIGTERM,
+        after=slow_start_experiment.BUILDING_TWIN)
+
+    assert returncode == 0, stderr
+    assert "Automatic precision: the probe gave up for the stop request after" in stderr
+    assert "probed 2 train batches" not in stderr and "initial_scale=auto" not in stderr
+    assert "jit_compile=auto" not in stderr.partition("the probe gave up")[2]  # Not measured.
+    assert f"Stopped by SIGTERM at step 0; checkpoint saved in {tmp_path}/checkpoints" in stderr
+    assert cli_runs.checkpoint_steps(tmp_path) == [0]
+    assert workdir.read_resolved(str(tmp_path)) == {}
+    assert not (tmp_path / "precision").exists()
+    assert not glob.glob(str(tmp_path / ".*-probe-*"))
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])

@@ -21,6 +21,9 @@ train batches from the current weights; what it advises is applied instead of pr
             (clipped into [min_scale, max_scale])
         log a line each; record the regex and scale in config.json (`resolved`), the doctor's
             report in precision/report-step-N.json
+        a stop (SIGTERM, Ctrl-C) during the probe: it gives up within a second or two (between
+            its passes and layers), a line says so, nothing moves or is recorded; the run saves
+            and exits, and its resume probes
     divergence with finite inputs (`precision.heal`; the controller then restores the last good
     checkpoint), `heal`:
         probe the weights the run diverged at on the run's next batches: the skipped updates left
@@ -39,7 +42,7 @@ import itertools
 import os
 import re
 import time
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import tensorflow as tf
 from absl import logging
@@ -61,9 +64,10 @@ def is_wanted(precision: Any) -> bool:
     return split_auto(precision.float32_layers)[0] or precision.initial_scale == AUTO or precision.heal
 
 
-def start(trainer) -> None:
+def start(trainer, stop_requested: Callable[[], bool] = lambda: False) -> None:
     """Places the layers and starts the loss scales as `config.precision` asks, before the first
-    trace (the module docstring's start); does nothing unless `is_wanted`.
+    trace (the module docstring's start); does nothing unless `is_wanted`, and nothing more once
+    `stop_requested()` gives the probe up.
 
     Raises:
       UserError: when the probe's batches cannot be read or the probe fails.
@@ -99,9 +103,13 @@ def start(trainer) -> None:
                             "scales start where config.precision starts them", bad)
             return
         if auto_layers:
-            reports, found, evidence = _place(trainer, batches)
+            reports, found, evidence = _place(trainer, batches, stop_requested)
         else:
-            reports, found, evidence = _probe(trainer, batches), [], []
+            reports, found, evidence = _probe(trainer, batches, stop_requested), [], []
+    except controller.ProbeStopped:  # The run saves and exits; its resume probes.
+        logging.info("Automatic precision: the probe gave up for the stop request after %.1f s; no "
+                     "layer moves, nothing recorded", time.perf_counter() - started)
+        return
     except workdir.UnusableWorkdir:  # The run could not save either: it stops here, in one line.
         raise
     except (UserError, tf.errors.OpError) as error:
@@ -224,21 +232,30 @@ def _next_batches_put_back(trainer, num_batches: int) -> list:
 
     Raises:
       tf.errors.OpError: when reading the data fails (its position is put back all the same).
+      workdir.UnusableWorkdir: when the position cannot be saved (a full disk, no free inodes).
     """
     position = tf.train.Checkpoint(iterator=trainer.train_iterator)
     with workdir.scratch_folder(trainer.workdir, ".precision-probe-") as directory:
-        saved = position.write(os.path.join(directory, "position"))
+        try:
+            saved = position.write(os.path.join(directory, "position"))
+        except tf.errors.ResourceExhaustedError as error:  # Not a failure of the data's.
+            raise workdir.unusable_workdir(trainer.workdir, error, directory) from None
         try:
             return list(itertools.islice(trainer.train_iterator, num_batches))
         finally:
             position.read(saved).assert_consumed()
 
 
-def _place(trainer, batches: list) -> tuple[list[PrecisionReport], list, list[str]]:
+def _place(trainer, batches: list, stop_requested: Callable[[], bool] = lambda: False
+           ) -> tuple[list[PrecisionReport], list, list[str]]:
     """Probes `batches` and moves the layers the doctor advises to float32, the finest that need it
     (a block is not moved for a sublayer's overflow: the sublayer is); returns the reports, the
-    layers moved and the evidence for each."""
-    reports = _probe(trainer, batches)
+    layers moved and the evidence for each.
+
+    Raises:
+      controller.ProbeStopped: once `stop_requested()` during the probe, nothing moved.
+    """
+    reports = _probe(trainer, batches, stop_requested)
     # The layers' values come from the one forward pass every objective shares: the first
     # objective's advice on layers is every objective's.
     found = _move(trainer, reports[0].advice.float32_layers)
@@ -248,16 +265,19 @@ def _place(trainer, batches: list) -> tuple[list[PrecisionReport], list, list[st
     return reports, found, evidence
 
 
-def _probe(trainer, batches: Iterable[Any]) -> list[PrecisionReport]:
+def _probe(trainer, batches: Iterable[Any], stop_requested: Callable[[], bool] = lambda: False
+           ) -> list[PrecisionReport]:
     """The doctor's reports on `batches`, one per objective, at the current weights.
 
     Raises:
       UserError: when reading the batches or running the model on them fails, or there are none.
+      controller.ProbeStopped: once `stop_requested()` (`precision_report.diagnose_batches`).
     """
     try:
         # Without the doctor's columns the advice does not read: rel.err and FP8.
         return precision_report.diagnose_batches(trainer, list(trainer.objectives), batches,
-                                                 relative_errors=False, float8=False)
+                                                 relative_errors=False, float8=False,
+                                                 stop_requested=stop_requested)
     except tf.errors.OpError as error:
         raise UserError(f"the precision probe failed on the train batches: "
                         f"{controller.op_error_summary(error)}") from None

@@ -161,10 +161,6 @@ def configured(jit_compile: Any, num_replicas: int) -> tuple[Optional[Mode], str
     return None, "jit_compile=auto: measured before the first update"
 
 
-class _ProbeStopped(Exception):
-    """A stop (SIGTERM, Ctrl-C) came during the probe, which gave up at its next loop."""
-
-
 def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
     """Sets `trainer`'s compile mode when `config.jit_compile` is "auto" and nothing decided it yet
     (the module docstring), logging one line with the evidence; returns whether it compiled the
@@ -216,7 +212,7 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
     try:
         speeds, probe_seconds = measure(trainer, modes, run_updates=left,
                                         stop_requested=stop_requested)
-    except _ProbeStopped:
+    except controller.ProbeStopped:
         trainer.set_jit_compile(False if rule else True)  # As unprobed: by the rule, else XLA.
         logging.info("jit_compile=auto: the probe gave up for the stop request, state restored")
         return False
@@ -268,11 +264,6 @@ def _known_rule(compute_dtype: Any) -> Optional[str]:
             "on TensorFlow's kernels (XLA on a CPU does not use them)")
 
 
-def _check_stop(stop_requested: Callable[[], bool]) -> None:
-    if stop_requested():
-        raise _ProbeStopped()
-
-
 def _over_budget(elapsed: float, num_measured: int, run_updates: int,
                  seconds: dict[Mode, float]) -> bool:
     """Whether compiling one more mode, at the cost of each so far, would take the probe past
@@ -290,11 +281,10 @@ def _saved_state(trainer, directory: str) -> str:
     try:
         return trainer.save_state(os.path.join(directory, "state"))
     except (tf.errors.ResourceExhaustedError, OSError) as error:
-        reason = (error.message if isinstance(error, tf.errors.OpError) else str(error))
-        reason = reason.splitlines()[0].rpartition("; ")[2][:200] if reason else type(error).__name__
         raise workdir.UnusableWorkdir(
             f"cannot write to the workdir {trainer.workdir}: the compile-mode probe could not copy "
-            f"the state ({reason}); free some space or choose another --workdir") from None
+            f"the state ({workdir.error_reason(error)}); free some space or choose another "
+            "--workdir") from None
 
 
 def is_mode(value: Any) -> bool:
@@ -317,7 +307,7 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
     PROBE_SHARE of the run's time at the fastest step timed so far: at least the first is measured.
 
     Raises:
-      _ProbeStopped: at the first loop boundary after `stop_requested()` turned true.
+      controller.ProbeStopped: at the first loop boundary after `stop_requested()` turned true.
     """
     started = time.perf_counter()
     with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
@@ -328,10 +318,10 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
                 if seconds and run_updates is not None and _over_budget(
                         time.perf_counter() - started, len(seconds), run_updates, seconds):
                     break
-                _check_stop(stop_requested)
+                controller.check_stop(stop_requested)
                 trainer.set_jit_compile(mode)
                 trainer.train_loop(1)  # Traces and compiles.
-                _check_stop(stop_requested)
+                controller.check_stop(stop_requested)
                 seconds[mode] = seconds_of_loop(trainer, 1)
             # Per mode, about PROBE_SECONDS a loop: a mode 30x slower is timed on fewer updates.
             num_updates = {mode: max(1, min(MAX_PROBE_UPDATES,
@@ -340,7 +330,7 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
             rounds = {mode: [] for mode in seconds}
             for _ in range(PROBE_ROUNDS):
                 for mode in seconds:
-                    _check_stop(stop_requested)
+                    controller.check_stop(stop_requested)
                     trainer.set_jit_compile(mode)
                     before = int(trainer.global_step.numpy())
                     seconds_taken = seconds_of_loop(trainer, num_updates[mode])

@@ -93,8 +93,9 @@ class Runnable(Protocol):
         """The variables behind an objective's latest streak of skipped updates (`latest`: behind
         its latest overflowed attempt, a retried one included)."""
 
-    def start_precision(self) -> None:
-        """The automatic precision settings, from a probe of the weights, before the first update."""
+    def start_precision(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
+        """The automatic precision settings, from a probe of the weights, before the first update,
+        giving up the probe once `stop_requested()`."""
 
     def heal(self) -> str:
         """Moves the layers a probe finds overflowing to float32; what moved, or ''."""
@@ -104,6 +105,17 @@ class Runnable(Protocol):
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class ProbeStopped(Exception):
+    """A stop (SIGTERM, Ctrl-C) came during a probe at the start (the precision placement, the
+    compile mode), which gave up at its next boundary: state put back, nothing recorded."""
+
+
+def check_stop(stop_requested: Callable[[], bool]) -> None:
+    """Where a probe may give up: raises `ProbeStopped` once `stop_requested()`."""
+    if stop_requested():
+        raise ProbeStopped()
 
 
 class _StopRequest:
@@ -126,6 +138,10 @@ class _StopRequest:
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def requested(self) -> bool:
+        """Whether a stop was requested (what a probe at the start asks between its passes)."""
+        return self.signal_number is not None
 
     def _request(self, signal_number, frame) -> None:
         self.signal_number = signal_number
@@ -168,10 +184,11 @@ def train(trainer: Runnable) -> dict[str, float]:
         if trainer.is_chief:
             workdir.check_writable(trainer.workdir)
             workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
-        trainer.start_precision()  # From the restored weights, before the first trace.
+        # A stop during a probe ends it at its next boundary; the run then saves and exits (and
+        # a stop during the placement leaves the compile mode undecided: no loop runs).
+        trainer.start_precision(stop.requested)  # From the restored weights, before any trace.
         # After the placement, which changes what is compiled.
-        # A stop during the probe ends it at its next loop; the run then saves and exits.
-        probed = trainer.choose_compile_mode(lambda: stop.signal_number is not None)
+        probed = not stop.requested() and trainer.choose_compile_mode(stop.requested)
         logging.info("%s", memory.persistent_state(trainer).describe())  # As placed and compiled.
         metrics, reason = _run_loops(trainer, actions, stop, num_batches, compiled=probed)
         step = int(trainer.global_step.numpy())

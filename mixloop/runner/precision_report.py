@@ -94,7 +94,7 @@ from mixloop.engine.policy import Policy
 from mixloop.engine.loss import per_weight
 from mixloop.engine.step import forward, split_micro_batches
 from mixloop.errors import UserError, described
-from mixloop.runner import float8_report
+from mixloop.runner import controller, float8_report
 from mixloop.runner.float8_report import Float8Advice, Float8Report
 
 MARGIN_BITS = 3  # Doublings of headroom kept free for batches and updates the diagnosis did not see.
@@ -300,17 +300,22 @@ def diagnose_objectives(trainer, objectives: Sequence[str], num_batches: int = 4
 
 def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
                      loss_scale: Optional[float] = None, relative_errors: bool = True,
-                     float8: bool = True) -> list[PrecisionReport]:
+                     float8: bool = True, stop_requested: Callable[[], bool] = lambda: False
+                     ) -> list[PrecisionReport]:
     """`diagnose_objectives` on the given train `batches` (global batches, as the train data yields
     them) instead of the run's next ones: the automatic placement reads its own iterator. Without
     `relative_errors` the float32 pass is not repeated at NOISE_SCALE, a third less work, and every
     rel.err is None; without `float8` no layer's FP8 column is measured (every `LayerReport.float8`
     and `Advice.float8` is None), so the Dense layers' inputs and output gradients are not held
     (1.2 GB for charlm at width 512). The advice on float32 layers and the initial scale reads
-    neither.
+    neither. The diagnosis gives up once `stop_requested()` (a stop of the run), which it asks
+    after building the twin, before each pass and, while a pass is traced, at each layer call and
+    backward step and each layer's statistics: on charlm no more than 1.4 s apart (the first call
+    of a traced pass, optimized and run by TensorFlow).
 
     Raises:
       UserError, ValueError: as `diagnose`, and UserError when `batches` is empty.
+      controller.ProbeStopped: once `stop_requested()`, the model's variables put back.
     """
     _check_diagnosable(trainer, objectives, 1, loss_scale)
     batches = list(batches)
@@ -319,11 +324,12 @@ def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
     micro_batches = [micro_batch for batch in batches
                      for micro_batch in _micro_batches(batch, trainer.train_step.accumulation_steps)]
     twin = build_model(trainer.build_model, Policy.from_string("float32"))
+    controller.check_stop(stop_requested)
     # As the trainer quantized its model, so that the twin's variables pair with the model's.
     float8_layers.quantize(twin, trainer.float8_paths)
     _freeze_as(twin, trainer.model)
     return [_diagnose_objective(trainer, name, twin, micro_batches, len(batches), loss_scale,
-                                relative_errors, float8) for name in objectives]
+                                relative_errors, float8, stop_requested) for name in objectives]
 
 
 def _freeze_as(twin: keras.Model, model: keras.Model) -> None:
@@ -360,9 +366,10 @@ def _check_diagnosable(trainer, objectives: Sequence[str], num_batches: int,
 
 
 def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batches: list,
-                        num_batches: int, loss_scale: Optional[float],
-                        relative_errors: bool, float8: bool) -> PrecisionReport:
-    """The report on `objective`, from passes over `micro_batches` (read from `num_batches` batches)."""
+                        num_batches: int, loss_scale: Optional[float], relative_errors: bool,
+                        float8: bool, stop_requested: Callable[[], bool]) -> PrecisionReport:
+    """The report on `objective`, from passes over `micro_batches` (read from `num_batches`
+    batches), given up once `stop_requested()`."""
     policy, model = trainer.policy, trainer.model
     scale = float(trainer.objectives[objective].loss_scale.scale.numpy() if loss_scale is None
                   else loss_scale)
@@ -371,7 +378,7 @@ def _diagnose_objective(trainer, objective: str, twin: keras.Model, micro_batche
     _assign(twin.variables, saved)
     try:
         layers, variables, comparison_scale = _measure(trainer, objective, twin, micro_batches, scale,
-                                                       relative_errors, float8)
+                                                       relative_errors, float8, stop_requested)
     finally:
         # The forward passes ran in training mode, which moves e.g. BatchNorm statistics.
         _assign(model.variables, saved)
@@ -464,11 +471,11 @@ class _Net:
 
 
 def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, scale: float,
-             relative_errors: bool, float8: bool
+             relative_errors: bool, float8: bool, stop_requested: Callable[[], bool]
              ) -> tuple[list[LayerReport], list[VariableReport], float]:
     """Runs the float32 passes over every micro-batch, then the mixed pass at the comparison scale
-    their gradients give; returns the layer reports, the variable reports of `objective` and that
-    scale."""
+    their gradients give (each pass given up once `stop_requested()`); returns the layer reports,
+    the variable reports of `objective` and that scale."""
     model, policy = trainer.model, trainer.policy
     model_layers = list(named_layers(model).items())
     layer_tallies = {index: _LayerTally(path, layer, float8)
@@ -483,13 +490,14 @@ def _measure(trainer, objective: str, twin: keras.Model, micro_batches: list, sc
     float32_net = _Net(twin, Policy.from_string("float32"), list(named_layers(twin).values()),
                        _twin_variables(model, twin, variables), strays=model.trainable_variables)
     order, float32_grads, states = _measure_float32(
-        twin, _traced_pass(trainer, objective, float32_net, layer_dtypes), micro_batches, scale,
-        layer_tallies, variable_tallies, relative_errors)
+        twin, _traced_pass(trainer, objective, float32_net, layer_dtypes, stop_requested),
+        micro_batches, scale, layer_tallies, variable_tallies, relative_errors)
     layers = [layer_tallies[i] for i in order]
     comparison_scale = _comparison_scale(scale, layers, variable_tallies, policy.compute_dtype)
     mixed_pass = _traced_pass(
         trainer, objective, _Net(model, policy, [layer for _, layer in model_layers], variables),
-        layer_dtypes, float8=[index for index, tally in layer_tallies.items() if tally.float8])
+        layer_dtypes, stop_requested,
+        float8=[index for index, tally in layer_tallies.items() if tally.float8])
     float32_reached = _any_nonzero(float32_grads)
     for micro_batch, grads, state in zip(micro_batches, float32_grads, states):
         mixed = mixed_pass(micro_batch, comparison_scale, state)
@@ -616,7 +624,8 @@ def _micro_batches(batch: Any, num_micro_batches: int) -> list:
 
 
 def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
-                 float8: Collection[int] = ()) -> Callable[..., _Pass]:
+                 stop_requested: Callable[[], bool], float8: Collection[int] = ()
+                 ) -> Callable[..., _Pass]:
     """The train step's micro-step for `objective` through `net`, recording every layer call, as a
     function of (micro-batch, loss scale, non-trainable state, examined_scale=1.0); its gradients
     are unscaled. Each pass starts from the non-trainable `state` (seed generators' states,
@@ -624,6 +633,8 @@ def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
     Each call of a layer in `dtypes` (index -> dtype) comes back as its `_CallStats`, its output
     gradients times `examined_scale` counted as cast to that dtype; the layers in `float8` (indices)
     also come back with their inputs and output gradients (the FP8 column needs every value).
+    A pass raises `controller.ProbeStopped` once `stop_requested()`, asked as it starts and,
+    while it is traced, at each layer call, backward step and layer's statistics.
 
     The passes run inside a `tf.function`, as the train step does, not eagerly: eager
     `tf.custom_gradient` treats a Keras variable passed as an argument as a captured variable
@@ -636,7 +647,8 @@ def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
 
     @tf.function
     def traced(batch, scale, examined_scale):
-        with (tf.GradientTape() as tape, _recording_calls(net.layers, tape.watch, failures) as calls,
+        with (tf.GradientTape() as tape,
+              _recording_calls(net.layers, tape.watch, failures, stop_requested) as calls,
               _running(trainer, net)):
             outputs = forward(net.model, net.policy, trainer.model_inputs(batch), training=True)
             loss = as_losses(trainer.compute_loss(outputs, batch), trainer.objectives)[objective]
@@ -655,19 +667,25 @@ def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
             lambda g, t: tf.zeros_like(t) if g is None else g, output_grads, layer_outputs)
         # A function returns tensors in sorted structures: the calls' order goes out as a tensor.
         order = tf.constant(list(calls), tf.int32, shape=[len(calls)])
-        stats = {index: [_call_stats(call, call_grads, examined_scale, dtypes[index])
-                         for call, call_grads in zip(records, output_grads[index])]
-                 for index, records in calls.items() if index in dtypes}
+        stats = {}
+        for index, records in calls.items():
+            if index in dtypes:
+                calls.check_stop()
+                stats[index] = [_call_stats(call, call_grads, examined_scale, dtypes[index])
+                                for call, call_grads in zip(records, output_grads[index])]
         float8_values = {index: [(call.inputs, call_grads)
                                  for call, call_grads in zip(records, output_grads[index])]
                          for index, records in calls.items() if index in float8}
         return order, stats, grads, float8_values
 
     def run(batch: Any, scale: float, state: list[np.ndarray], examined_scale: float = 1.0) -> _Pass:
+        controller.check_stop(stop_requested)
         _assign(net.model.non_trainable_variables, state)
         try:
             order, stats, grads, float8_values = traced(
                 batch, tf.constant(scale, tf.float32), tf.constant(examined_scale, tf.float32))
+        except controller.ProbeStopped:  # Not the layer's failure, where it was raised.
+            raise
         except Exception:
             if not failures:
                 raise
@@ -703,17 +721,25 @@ def _call_stats(call: _Call, output_grads: list[tf.Tensor], examined_scale: tf.T
 class _Calls(dict):
     """Layer index -> its calls; `in_backward`: the layers the backward pass has entered at an output
     and not yet left at every input, innermost last (a failing custom gradient is in the last);
-    `failures`: where to add (layer index, "forward" or "backward", the error) when one fails."""
+    `failures`: where to add (layer index, "forward" or "backward", the error) when one fails;
+    `stop_requested`: asked at each step of the tracing, to give the pass up."""
 
-    def __init__(self, failures: list[tuple[int, str, Exception]]):
+    def __init__(self, failures: list[tuple[int, str, Exception]],
+                 stop_requested: Callable[[], bool]):
         super().__init__()
         self.in_backward: list[int] = []
         self.failures = failures
+        self.stop_requested = stop_requested
+
+    def check_stop(self) -> None:
+        controller.check_stop(self.stop_requested)
 
     def enter(self, index: int) -> None:
+        self.check_stop()
         self.in_backward.append(index)
 
     def leave(self, index: int) -> None:
+        self.check_stop()
         if index in self.in_backward:  # Its other inputs left it already.
             self.in_backward.remove(index)
 
@@ -733,14 +759,17 @@ def _on_backward(tensor: tf.Tensor, note: Callable[[], None]) -> tf.Tensor:
 
 
 @contextlib.contextmanager
-def _recording_calls(layers: list, watch, failures: list) -> Iterator[_Calls]:
+def _recording_calls(layers: list, watch, failures: list,
+                     stop_requested: Callable[[], bool]) -> Iterator[_Calls]:
     """Wraps each layer's call to record its floating inputs and outputs (and `watch` the outputs,
     so the tape can differentiate by them), and where the backward pass is (`_Calls`); a layer
-    that raises is added to `failures`. Unwraps on exit."""
-    calls = _Calls(failures)
+    that raises is added to `failures`; each call and backward step raises
+    `controller.ProbeStopped` once `stop_requested()`. Unwraps on exit."""
+    calls = _Calls(failures, stop_requested)
 
     def recording(index, layer, call):
         def recorded_call(*args, **kwargs):
+            calls.check_stop()
             records = calls.setdefault(index, [])  # On entry, so a block comes before its sublayers.
             if isinstance(layer, _NOISE_LAYERS):
                 kwargs["training"] = False

@@ -14,18 +14,18 @@ import tensorflow as tf
 from absl import flags, logging
 
 from mixloop.errors import UserError
-from mixloop.runner import guard
+from mixloop.runner import guard, workdir
 
 
 class MetricWriter:
-    """Writes scalars to `workdir/train` or `workdir/eval` event files."""
+    """Writes scalars to `workdir/train` or `workdir/eval` event files. A file system that cannot
+    take them (full, no free inode, read-only) stops the run in one line: creating the writers,
+    writing or flushing raises `workdir.UnusableWorkdir`, not TensorFlow's traceback."""
 
     def __init__(self, workdir: str, enabled: bool = True):
-        self._writers = {
-            name: tf.summary.create_file_writer(os.path.join(workdir, name)) if enabled
-            else tf.summary.create_noop_writer()
-            for name in ("train", "eval")
-        }
+        self._workdir = workdir
+        self._writers = {split: self._created(split) if enabled else tf.summary.create_noop_writer()
+                         for split in ("train", "eval")}
 
     def as_default(self, split: str):
         """The `split` writer as the default `tf.summary` writer (a context manager), for actions."""
@@ -33,14 +33,30 @@ class MetricWriter:
 
     def write(self, split: str, step: int, scalars: Mapping[str, float]) -> None:
         """Writes one value per tag at `step` to the `split` ("train" or "eval") event file."""
-        with self._writers[split].as_default():
+        with self._writing(split), self._writers[split].as_default():
             for name, value in scalars.items():
                 tf.summary.scalar(name, value, step=step)
         self.flush(split)
 
     def flush(self, split: str) -> None:
         """Writes what the `split` writer holds to disk."""
-        self._writers[split].flush()
+        with self._writing(split):
+            self._writers[split].flush()
+
+    def _created(self, split: str) -> tf.summary.SummaryWriter:
+        """The `split` writer, its events file created."""
+        with self._writing(split):
+            return tf.summary.create_file_writer(os.path.join(self._workdir, split))
+
+    @contextlib.contextmanager
+    def _writing(self, split: str) -> Iterator[None]:
+        """TensorBoard's file errors in the block as the workdir's one line, naming `split`'s
+        folder."""
+        try:
+            yield
+        except (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError) as error:
+            raise workdir.unusable_workdir(self._workdir, error,
+                                           os.path.join(self._workdir, split)) from None
 
 
 def format_duration(seconds: float) -> str:

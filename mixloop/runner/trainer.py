@@ -236,11 +236,12 @@ class Trainer:
             self._train_loops[jit_compile] = tf.function(self._inner_loop)
         self._train_loop = self._train_loops[jit_compile]
 
-    def start_precision(self) -> None:
+    def start_precision(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
         """Applies `precision.float32_layers=auto` and `initial_scale=auto` from a probe of the
-        current weights (`auto_precision.start`); the controller calls it after restoring, before
-        the first update. Does nothing unless the config asks for it."""
-        auto_precision.start(self)
+        current weights (`auto_precision.start`; the probe gives up, changing and recording
+        nothing, once `stop_requested()`); the controller calls it after restoring, before the
+        first update. Does nothing unless the config asks for it."""
+        auto_precision.start(self, stop_requested)
 
     def heal(self) -> str:
         """Moves to float32 the layers a probe of the current weights finds overflowing, retracing

@@ -8,12 +8,14 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
-from typing import Any
+from typing import Any, Optional, Union
 
 import ml_collections
+import tensorflow as tf
 from absl import logging
 
 from mixloop.errors import UserError
@@ -61,8 +63,10 @@ def check_writable(directory: str) -> None:
         try:
             tempfile.TemporaryFile(dir=path).close()
         except OSError as error:
+            advice = (_making_room(path) if error.errno == errno.ENOSPC
+                      else "make it writable, or choose another --workdir")
             raise UserError(f"cannot write to {path}, where mixloop keeps {holds}: "
-                            f"{error.strerror}; make it writable, or choose another --workdir") from None
+                            f"{error.strerror}; {advice}") from None
 
 
 def _process_alive(pid: int) -> bool:
@@ -106,7 +110,7 @@ class WorkdirLock:
                 remove_scratch_folders(self.directory)
                 return self
         except OSError as error:
-            raise _unusable_workdir(self.directory, error) from None
+            raise unusable_workdir(self.directory, error) from None
         raise UserError(f"could not take the lock {self.path}; another run is starting there")
 
     def _write_owner(self, fd: int) -> None:
@@ -156,20 +160,43 @@ class UnusableWorkdir(UserError):
     does after can be saved, so what would carry on without a result (a probe) stops too."""
 
 
-def _unusable_workdir(directory: str, error: OSError) -> UserError:
-    """The one line for `directory` failing as a workdir with `error`: a file, under a file, or not
-    writable (permissions, a read-only file system)."""
+def unusable_workdir(directory: str, error: Union[OSError, tf.errors.OpError],
+                     path: Optional[str] = None) -> UserError:
+    """The one line for `directory` failing as a workdir with `error`, Python's or TensorFlow's
+    (writing `path`: TensorFlow's errors carry it only in their text): a file, under a file, full
+    (no space, or no free inodes), or not writable (permissions, a read-only file system)."""
     existing = nearest_existing(directory)
     if os.path.lexists(existing) and not os.path.isdir(existing):
         where = "is" if existing == os.path.normpath(directory) else f"is under {existing}, which is"
         return UserError(f"the workdir {directory} {where} a file, not a folder; "
                          "choose another --workdir")
-    where = "" if error.filename in (None, directory) else f" ({error.filename})"
-    if error.errno == errno.ENOSPC:
-        return UnusableWorkdir(f"cannot write to the workdir {directory}: {error.strerror}{where}; "
-                         "free some space or choose another --workdir")
-    return UnusableWorkdir(f"cannot write to the workdir {directory}: {error.strerror}{where}; "
-                     "choose a --workdir you can write to")
+    path = getattr(error, "filename", None) if path is None else path
+    where = "" if path in (None, directory) else f" ({path})"
+    full = (isinstance(error, tf.errors.ResourceExhaustedError)
+            or getattr(error, "errno", None) == errno.ENOSPC)
+    advice = _making_room(existing) if full else "choose a --workdir you can write to"
+    return UnusableWorkdir(f"cannot write to the workdir {directory}: "
+                           f"{error_reason(error)}{where}; {advice}")
+
+
+def error_reason(error: Union[OSError, tf.errors.OpError]) -> str:
+    """Why writing a file failed, in the system's words ("No space left on device"): an OSError's
+    own, or what follows the path in the first line of TensorFlow's ("<path>; <reason>")."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    reason = error.message.splitlines()[0].rpartition("; ")[2] if error.message else ""
+    return re.sub(r" \[Op:\w+\].*", "", reason)[:200] or type(error).__name__
+
+
+def _making_room(directory: str) -> str:
+    """How to make room on the full file system of the existing `directory`: space, or files when
+    it has no free inode left (where `df -h` still shows space)."""
+    try:
+        no_inodes = os.statvfs(directory).f_favail == 0
+    except OSError:
+        no_inodes = False
+    return ("its file system has no free inodes (df -i): remove some files or choose another "
+            "--workdir" if no_inodes else "free some space or choose another --workdir")
 
 
 # The prefixes of the probes' temporary folders in a workdir (`scratch_folder`): the compile-mode
@@ -190,7 +217,7 @@ def scratch_folder(directory: str, prefix: str) -> "tempfile.TemporaryDirectory[
         return tempfile.TemporaryDirectory(prefix=prefix,
                                            dir=directory if os.path.isdir(directory) else None)
     except OSError as error:
-        raise _unusable_workdir(directory, error) from None
+        raise unusable_workdir(directory, error) from None
 
 
 def remove_scratch_folders(directory: str) -> None:

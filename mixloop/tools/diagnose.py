@@ -30,6 +30,7 @@ from tensorboard.plugins.histogram import metadata as histogram_metadata
 from mixloop import cli
 from mixloop.config import DEFAULT_INITIAL_SCALE
 from mixloop.engine.compact_optimizer import MIN_QUANTIZED_SIZE
+from mixloop.errors import UserError
 from mixloop.runner import auto_precision, memory
 from mixloop.runner.memory import LIGHTER_PARTS, LighterOption, PersistentState, format_bytes
 from mixloop.runner.float8_report import FLUSH_TOLERANCE, Float8Advice, Float8Report
@@ -37,6 +38,7 @@ from mixloop.runner.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS
                                              DtypeRange, PrecisionReport, VariableReport,
                                              diagnose_objectives,
                                              write_json)
+from mixloop.runner.workdir import error_reason
 from mixloop.runner.trainer import Trainer  # Loaded already (auto_precision's controller uses it).
 
 _STEPS = flags.DEFINE_integer("steps", 4, "Train batches to diagnose.", lower_bound=1)
@@ -450,6 +452,11 @@ def main() -> None:
     print("\n\n".join([*(format_report(report) for report in reports), memory_text]))
     if _OUTPUT.value:
         for report in reports:
-            written = write_outputs(report, output_directory(report, _OUTPUT.value))
+            try:
+                written = write_outputs(report, output_directory(report, _OUTPUT.value))
+            except (OSError, tf.errors.ResourceExhaustedError) as error:  # The disk filled since.
+                raise UserError(f"cannot write --output={_OUTPUT.value}: "
+                                f"{error_reason(error)}; free some space or choose another "
+                                "--output") from None
             logging.info("Wrote %s", ", ".join(written))
 

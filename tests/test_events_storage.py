@@ -1,0 +1,117 @@
+"""The TensorBoard events files, and the doctor's --output, on a file system with no inode or no
+space left: one `error:` line naming the folder and the fix, exit 2, nothing in the workdir lost.
+The file systems are small tmpfs mounts, really full (root only; skipped elsewhere)."""
+
+import errno
+import gc
+import itertools
+import os
+import subprocess
+
+import cli_runs
+import pytest
+import tiny_experiment
+
+from cli_runs import TINY_CONFIG
+from mixloop.errors import UserError
+from mixloop.runner import reporting
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """mount_tmpfs(options): a tmpfs mounted with `options` in `tmp_path`, unmounted at the end."""
+    mounted = []
+
+    def mount(options):
+        point = tmp_path / f"disk-{len(mounted)}"
+        point.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+                                capture_output=True)
+        if result.returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(point)
+        return point
+
+    yield mount
+    gc.collect()  # A failed run's writers, held by its traceback, close their events files.
+    for point in mounted:
+        subprocess.run(["umount", "--lazy", str(point)], check=True)
+
+
+def fill(directory):
+    """Writes into `directory/filler` until its file system has no byte left."""
+    with open(os.path.join(directory, "filler"), "wb") as f:
+        for _ in itertools.count():
+            try:
+                f.write(b"\0" * 65536)
+                f.flush()
+            except OSError as error:
+                assert error.errno == errno.ENOSPC
+                return
+
+
+def make_trainer(workdir, num_steps):
+    config = tiny_experiment.get_config()
+    config.precision.policy = "float32"  # No probe: the summaries alone.
+    config.jit_compile = False
+    config.train.num_steps = num_steps
+    return tiny_experiment.TinyTrainer(config, str(workdir))
+
+
+@pytest.mark.slow
+def test_one_inode_left_for_the_events_file_is_one_line(mount_tmpfs):
+    """Five inodes: the root, the workdir, config.json and the lock take four; train/ the last, so
+    the events file in it finds none (the campaign's case: a ResourceExhaustedError traceback)."""
+    workdir = mount_tmpfs("size=5m,nr_inodes=5") / "run"
+    result = cli_runs.run("mixloop.train", f"--config={TINY_CONFIG}", f"--workdir={workdir}",
+                          "--config.precision.policy=float32", "--config.jit_compile=False")
+
+    assert result.returncode == 2, result.stderr
+    assert cli_runs.error_lines(result) == [
+        f"error: cannot write to the workdir {workdir}: No space left on device ({workdir}/train); "
+        "its file system has no free inodes (df -i): remove some files or choose another --workdir"]
+    assert result.stderr.strip().splitlines()[-1].startswith("error:")  # No traceback after it.
+    assert sorted(os.listdir(workdir)) == ["config.json", "train"]  # The lock released.
+
+
+def test_a_disk_full_at_a_summary_write_is_one_line_and_the_checkpoints_stay(mount_tmpfs,
+                                                                             monkeypatch):
+    """The disk fills while the resumed run trains: its progress line's summaries (more than the
+    page its events file has left) stop it in one line, ckpt-20 untouched; with space freed, the
+    same run resumes from it."""
+    disk = mount_tmpfs("size=2m")
+    workdir = disk / "run"
+    make_trainer(workdir, 20).train()
+    saved = cli_runs.snapshot(workdir / "checkpoints")
+    real_write = reporting.MetricWriter.write
+
+    def write_on_a_full_disk(writer, split, step, scalars):
+        fill(disk)
+        real_write(writer, split, step, {**scalars, **{f"more/{i}": 0.0 for i in range(500)}})
+
+    monkeypatch.setattr(reporting.MetricWriter, "write", write_on_a_full_disk)
+    with pytest.raises(UserError) as raised:
+        make_trainer(workdir, 40).train()
+    assert str(raised.value) == (f"cannot write to the workdir {workdir}: No space left on device "
+                                 f"({workdir}/train); free some space or choose another --workdir")
+    assert cli_runs.snapshot(workdir / "checkpoints") == saved
+    assert not (workdir / ".lock").exists()
+
+    monkeypatch.setattr(reporting.MetricWriter, "write", real_write)
+    os.remove(disk / "filler")
+    make_trainer(workdir, 40).train()
+    assert cli_runs.checkpoint_steps(workdir) == [20, 40]
+
+
+@pytest.mark.slow
+def test_the_doctors_output_on_a_full_file_system_is_one_line(mount_tmpfs, tmp_path):
+    """Three inodes: the root, the output folder and report.json; the events file finds none."""
+    output = mount_tmpfs("size=5m,nr_inodes=3") / "doctor"
+    result = cli_runs.run("mixloop.diagnose", f"--config={TINY_CONFIG}",
+                          f"--workdir={tmp_path / 'run'}", f"--output={output}")
+
+    assert result.returncode == 2, result.stderr
+    assert cli_runs.error_lines(result) == [
+        f"error: cannot write --output={output}: No space left on device; free some space or "
+        "choose another --output"]
+    assert result.stderr.strip().splitlines()[-1].startswith("error:")
