@@ -17,6 +17,9 @@ computed in float32 exactly as Keras computes it for a float32 variable, and onl
     store w                                               (float32: as is; bfloat16: stochastic rounding)
 
 The update uses the moments before they are stored, so their rounding only reaches the next step.
+The variables are updated one after another: each one's float32 temporaries (its moments read as
+float32, its weight cast up, the rounding's noise) are freed before the next one's are made. Left to
+the graph, every variable's would be alive at once, more memory than the compact state saves.
 Stochastic rounding is seeded by (optimizer.iterations, -1 - (3 x the variable's index + which tensor)):
 iterations advance only on applied updates and are checkpointed, so a step rounds the same way when
 it runs again after a resume, and every replica rounds alike (their copies stay equal).
@@ -42,12 +45,14 @@ STATE_DTYPES = STORAGE_DTYPES["optimizer.state_dtype"]
 _WEIGHT, _FIRST_MOMENT, _SECOND_MOMENT = 0, 1, 2
 
 
-def store(variable: tf.Variable, value: tf.Tensor, seed: tf.Tensor) -> None:
+def store(variable: tf.Variable, value: tf.Tensor, seed: tf.Tensor) -> list[tf.Tensor]:
     """Assigns the float32 `value` to `variable`: stochastically rounded (`seed`, int32 [2]) if the
-    variable is bfloat16, cast otherwise (exact for float32)."""
+    variable is bfloat16, cast otherwise (exact for float32); returns what it assigned."""
     if tf.as_dtype(variable.dtype) == tf.bfloat16:
         value = low_bit.stochastic_round_to_bfloat16(value, seed)
-    variable.assign(tf.cast(value, variable.dtype))
+    stored = tf.cast(value, variable.dtype)
+    variable.assign(stored)
+    return [stored]
 
 
 class _Plain:
@@ -59,8 +64,8 @@ class _Plain:
     def read(self) -> tf.Tensor:
         return tf.cast(self.variable.value, tf.float32)
 
-    def write(self, value: tf.Tensor, seed: tf.Tensor) -> None:
-        store(self.variable, value, seed)
+    def write(self, value: tf.Tensor, seed: tf.Tensor) -> list[tf.Tensor]:
+        return store(self.variable, value, seed)
 
 
 class _Blockwise:
@@ -72,16 +77,41 @@ class _Blockwise:
     def read(self) -> tf.Tensor:
         return low_bit.dequantize_blockwise(self.codes.value, self.scales.value, self.shape, self.signed)
 
-    def write(self, value: tf.Tensor, seed: tf.Tensor) -> None:
+    def write(self, value: tf.Tensor, seed: tf.Tensor) -> list[tf.Tensor]:
         del seed  # Quantization rounds to the nearest code.
         codes, scales = low_bit.quantize_blockwise(value, self.signed)
         self.codes.assign(codes)
         self.scales.assign(scales)
+        return [codes, scales]
+
+
+class _Chain:
+    """What the variable updated last stored (tensors), which the next one's update waits for."""
+
+    def __init__(self):
+        self.stored: list[tf.Tensor] = []
 
 
 class _LowBitUpdates:
-    """What the compact optimizers share: weight decay inside the float32 update, the seeds, and
-    state variables of a dtype of their own (Keras gives a slot its variable's dtype)."""
+    """What the compact optimizers share: weight decay inside the float32 update, the seeds, state
+    variables of a dtype of their own (Keras gives a slot its variable's dtype), and the variables
+    updated one after another (the module docstring)."""
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        self._chain = _Chain()  # A plain object: Keras tracks lists set on an optimizer.
+        try:
+            super()._backend_update_step(grads, trainable_variables, learning_rate)
+        finally:
+            self._chain = _Chain()
+
+    def _after_previous_update(self):
+        """A context in which the ops made wait for the previous variable's update to be stored."""
+        return tf.control_dependencies(getattr(self, "_chain", _Chain()).stored)
+
+    def _updated(self, stored: list[tf.Tensor]) -> None:
+        """Records what this variable's update stored, for the next variable's to wait for."""
+        if hasattr(self, "_chain"):
+            self._chain.stored = stored
 
     def _apply_weight_decay(self, variables):
         """Nothing here: `update_step` decays each weight inside its float32 update (`_decayed`)."""
@@ -99,8 +129,8 @@ class _LowBitUpdates:
         stream = -1 - (3 * self._get_variable_index(variable) + tensor)
         return tf.stack([tf.cast(self.iterations, tf.int32), tf.constant(stream, tf.int32)])
 
-    def _store_weight(self, variable, weight: tf.Tensor) -> None:
-        store(variable, weight, self._seed(variable, _WEIGHT))
+    def _store_weight(self, variable, weight: tf.Tensor) -> list[tf.Tensor]:
+        return store(variable, weight, self._seed(variable, _WEIGHT))
 
     def _state_variable(self, variable: keras.Variable, name: str, shape, dtype: str) -> keras.Variable:
         """An optimizer variable for `variable`, named and placed as Keras places its slots."""
@@ -147,20 +177,21 @@ class CompactAdam(_LowBitUpdates, keras.optimizers.Adam):
     def update_step(self, gradient: tf.Tensor, variable: tf.Variable, learning_rate: tf.Tensor) -> None:
         """Keras's Adam update in float32, stored as the module docstring says."""
         first, second = self._moments[self._get_variable_index(variable)]
-        lr = tf.cast(learning_rate, tf.float32)
-        gradient = tf.cast(tf.convert_to_tensor(gradient), tf.float32)
-        local_step = tf.cast(self.iterations + 1, tf.float32)
-        beta_1_power = tf.pow(tf.cast(self.beta_1, tf.float32), local_step)
-        beta_2_power = tf.pow(tf.cast(self.beta_2, tf.float32), local_step)
-        alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        m = first.read()
-        m = m + (gradient - m) * (1 - self.beta_1)
-        v = second.read()
-        v = v + (tf.square(gradient) - v) * (1 - self.beta_2)
-        first.write(m, self._seed(variable, _FIRST_MOMENT))
-        second.write(v, self._seed(variable, _SECOND_MOMENT))
-        weight = self._decayed(variable, tf.cast(variable, tf.float32), lr)
-        self._store_weight(variable, weight - m * alpha / (tf.sqrt(v) + self.epsilon))
+        with self._after_previous_update():
+            lr = tf.cast(learning_rate, tf.float32)
+            gradient = tf.cast(tf.convert_to_tensor(gradient), tf.float32)
+            local_step = tf.cast(self.iterations + 1, tf.float32)
+            beta_1_power = tf.pow(tf.cast(self.beta_1, tf.float32), local_step)
+            beta_2_power = tf.pow(tf.cast(self.beta_2, tf.float32), local_step)
+            alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+            m = first.read()
+            m = m + (gradient - m) * (1 - self.beta_1)
+            v = second.read()
+            v = v + (tf.square(gradient) - v) * (1 - self.beta_2)
+            weight = self._decayed(variable, tf.cast(variable, tf.float32), lr)
+        self._updated(first.write(m, self._seed(variable, _FIRST_MOMENT))
+                      + second.write(v, self._seed(variable, _SECOND_MOMENT))
+                      + self._store_weight(variable, weight - m * alpha / (tf.sqrt(v) + self.epsilon)))
 
     def get_config(self) -> dict:
         return {**super().get_config(), "state_dtype": self.state_dtype}
@@ -187,16 +218,17 @@ class CompactSGD(_LowBitUpdates, keras.optimizers.SGD):
     def update_step(self, gradient: tf.Tensor, variable: tf.Variable, learning_rate: tf.Tensor) -> None:
         """Keras's SGD update in float32 (`m <- momentum m - lr g`; `w <- w + m`, or with Nesterov
         `w <- w + momentum m - lr g`), the weight stored by `store`."""
-        lr = tf.cast(learning_rate, tf.float32)
-        step = -tf.cast(tf.convert_to_tensor(gradient), tf.float32) * lr
         slot = self.momentums[self._get_variable_index(variable)]
-        if slot is not None:
-            momentum = tf.cast(self.momentum, tf.float32)
-            m = slot.value * momentum + step
-            slot.assign(m)
-            step = m * momentum + step if self.nesterov else m
-        weight = self._decayed(variable, tf.cast(variable, tf.float32), lr)
-        self._store_weight(variable, weight + step)
+        with self._after_previous_update():
+            lr = tf.cast(learning_rate, tf.float32)
+            step = -tf.cast(tf.convert_to_tensor(gradient), tf.float32) * lr
+            if slot is not None:
+                momentum = tf.cast(self.momentum, tf.float32)
+                m = slot.value * momentum + step
+                slot.assign(m)
+                step = m * momentum + step if self.nesterov else m
+            weight = self._decayed(variable, tf.cast(variable, tf.float32), lr)
+        self._updated(self._store_weight(variable, weight + step))
 
 
 # The optimizers that store state in fewer bits and round bfloat16 weights stochastically.
