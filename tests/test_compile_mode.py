@@ -271,16 +271,17 @@ def edit_resolved(workdir, edit):
      ": its 'resolved' record is an array, not a JSON object of the values the 'auto' settings "
      "chose; repair it, or delete the record to choose them again"),
 ], ids=["1", "a string", "a list"])
+@pytest.mark.parametrize("policy", ["mixed_float16", "float32"])  # float32: no precision probe reads it first.
 def test_a_hand_edited_record_is_refused_in_one_line_before_any_probe(tmp_path, pinned_speeds,
-                                                                     edit, message):
+                                                                     edit, message, policy):
     """1 == True in Python: read as XLA, it would have logged "with XLA" and run graph mode."""
     seconds, timed = pinned_speeds
     seconds.update({True: 5.0, False: 1.0})
-    make_trainer(tmp_path).train()
+    make_trainer(tmp_path, **{"precision.policy": policy}).train()
     record = edit_resolved(tmp_path, edit)
     timed.clear()
     with pytest.raises(UserError) as raised:
-        make_trainer(tmp_path, **{"train.num_steps": 30}).train()
+        make_trainer(tmp_path, **{"train.num_steps": 30, "precision.policy": policy}).train()
     assert message in str(raised.value) and "\n" not in str(raised.value)
     assert str(raised.value).startswith(os.path.join(tmp_path, "config.json"))
     assert timed == []

@@ -395,3 +395,34 @@ def test_a_full_disk_at_the_compile_probes_state_copy_is_one_line(tmp_path, monk
                                         r"could not copy the state \(No space left on device\)"):
         tiny_experiment.TinyTrainer(config, str(tmp_path)).train()
     assert not (tmp_path / ".lock").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_full_disk_at_the_precision_probes_position_save_is_one_line(tmp_path, monkeypatch):
+    """The probe's folder is made (one inode left), its data position cannot be written: not a
+    'not probed' warning and a run that fails later (TensorBoard's events file, a checkpoint)."""
+    real_write = tf.train.Checkpoint.write
+
+    def full(self, file_prefix, *args, **kwargs):
+        if ".precision-probe-" in str(file_prefix):
+            raise tf.errors.ResourceExhaustedError(None, None,
+                                                   f"{file_prefix}.index; No space left on device")
+        return real_write(self, file_prefix, *args, **kwargs)
+
+    monkeypatch.setattr(tf.train.Checkpoint, "write", full)
+    config = tiny_experiment.get_config()  # mixed_float16: the precision probe runs first.
+    with pytest.raises(UserError, match=r"^cannot write to the workdir .*No space left on device"):
+        tiny_experiment.TinyTrainer(config, str(tmp_path)).train()
+    assert not (tmp_path / ".lock").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_full_disk_at_the_tensorboard_events_file_is_one_line(tmp_path, monkeypatch):
+    def full(logdir, *args, **kwargs):
+        raise tf.errors.ResourceExhaustedError(None, None,
+                                               f"{logdir}/events.out.tfevents; No space left on device")
+
+    monkeypatch.setattr(tf.summary, "create_file_writer", full)
+    config = tiny_experiment.get_config()
+    config.precision.policy, config.jit_compile = "float32", False  # No probe before it.
+    with pytest.raises(UserError, match=r"^cannot write to the workdir .*No space left on device"):
+        tiny_experiment.TinyTrainer(config, str(tmp_path)).train()
+    assert not (tmp_path / ".lock").exists()
