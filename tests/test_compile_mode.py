@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -387,6 +388,16 @@ def test_a_bfloat16_probe_on_a_cpu_with_its_instructions_leaves_plain_xla_out(tm
     assert set(timed) == {False, "elementwise"} and trainer.jit_compile is False
     [line] = [r.getMessage() for r in caplog.records if "jit_compile=auto measured" in r.getMessage()]
     assert "2 mode(s) compiled" in line and "; not timed with XLA: a bfloat16 policy" in line
+    # What the probe cost beyond compiling the loop the run keeps, which it would compile anyway.
+    probe, extra = map(float, re.search(r"probe: ([\d.]+) s, ([\d.]+) s more than compiling the "
+                                        r"loop the run keeps", line).groups())
+    assert 0 < extra < probe
+
+
+def test_the_probe_costs_the_run_all_but_the_compilation_of_the_loop_it_keeps():
+    probe = compile_mode.Probe({True: 100.0, False: 80.0}, seconds=10.0,
+                               compile_seconds={True: 7.0, False: 2.0})
+    assert probe.extra_seconds(True) == 3.0 and probe.extra_seconds(False) == 8.0
 
 
 def test_a_stop_during_the_probe_ends_it_at_its_next_loop_and_the_run_saves(tmp_path, pinned_speeds,

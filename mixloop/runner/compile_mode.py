@@ -47,7 +47,7 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import tensorflow as tf
 from absl import logging
@@ -210,8 +210,7 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
     rule = _known_rule(trainer.policy.compute_dtype)
     modes = [mode for mode in MODES if not (mode is True and rule)]
     try:
-        speeds, probe_seconds = measure(trainer, modes, run_updates=left,
-                                        stop_requested=stop_requested)
+        probe = measure(trainer, modes, run_updates=left, stop_requested=stop_requested)
     except controller.ProbeStopped:
         trainer.set_jit_compile(False if rule else True)  # As unprobed: by the rule, else XLA.
         logging.info("jit_compile=auto: the probe gave up for the stop request, state restored")
@@ -225,14 +224,17 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
         logging.warning("Train step %s: jit_compile=auto could not time it %s: %s", describe(chosen),
                         describe(failed), controller.op_error_summary(error))
         return False
+    speeds = probe.speeds
     chosen = fastest(speeds)
     trainer.set_jit_compile(chosen)
     others = [mode for mode in speeds if mode != chosen]
     untimed = [describe(mode) for mode in modes if mode not in speeds]
+    # The chosen mode's compilation is no cost of the probe: the run goes on with that loop.
     logging.info("Train step %s: jit_compile=auto measured %.1f examples/s%s (probe: %.1f s, "
-                 "%d mode(s) compiled, state restored)%s%s", describe(chosen), speeds[chosen],
+                 "%.1f s more than compiling the loop the run keeps; %d mode(s) compiled, state "
+                 "restored)%s%s", describe(chosen), speeds[chosen],
                  " vs " + ", ".join(f"{speeds[mode]:.1f} {describe(mode)}" for mode in others)
-                 if others else "", probe_seconds, len(speeds),
+                 if others else "", probe.seconds, probe.extra_seconds(chosen), len(speeds),
                  f"; not timed {describe(True)}: {rule}" if rule else "",
                  f"; not timed {', '.join(untimed)}: the probe stays under {PROBE_SHARE:.0%} of "
                  f"the run's estimated time" if untimed else "")
@@ -299,10 +301,23 @@ def _measured_for(config: Any) -> dict[str, Any]:
             "model": json.loads(json.dumps(config.model.to_dict(), default=str))}
 
 
+class Probe(NamedTuple):
+    """What `measure` found: each mode's speed, and what the probe cost."""
+
+    speeds: dict[Mode, float]  # Examples/s of each mode measured.
+    seconds: float  # The whole probe's wall time.
+    compile_seconds: dict[Mode, float]  # Each mode's first loop: tracing, compiling, one update.
+
+    def extra_seconds(self, kept: Mode) -> float:
+        """What the probe added to the run that keeps `kept`'s compiled loop: all but that
+        compilation, which the run would have spent at its first update anyway."""
+        return max(0.0, self.seconds - self.compile_seconds[kept])
+
+
 def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] = None,
-            stop_requested: Callable[[], bool] = lambda: False) -> tuple[dict[Mode, float], float]:
-    """The probe: ({mode: examples/s} for each of `modes` measured, its seconds), timed from the
-    trainer's current state, which it leaves as it was (the benchmark reports it too). With
+            stop_requested: Callable[[], bool] = lambda: False) -> Probe:
+    """The probe: each of `modes` compiled and timed from the trainer's current state, which it
+    leaves as it was (the benchmark reports it too). With
     `run_updates` (the run's length) it compiles no further mode once that would take it past
     PROBE_SHARE of the run's time at the fastest step timed so far: at least the first is measured.
 
@@ -313,14 +328,16 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
     with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
         saved = _saved_state(trainer, directory)
         try:
-            seconds = {}
+            seconds, compile_seconds = {}, {}
             for mode in modes:
                 if seconds and run_updates is not None and _over_budget(
                         time.perf_counter() - started, len(seconds), run_updates, seconds):
                     break
                 controller.check_stop(stop_requested)
                 trainer.set_jit_compile(mode)
+                compiling = time.perf_counter()
                 trainer.train_loop(1)  # Traces and compiles.
+                compile_seconds[mode] = time.perf_counter() - compiling
                 controller.check_stop(stop_requested)
                 seconds[mode] = seconds_of_loop(trainer, 1)
             # Per mode, about PROBE_SECONDS a loop: a mode 30x slower is timed on fewer updates.
@@ -341,7 +358,7 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
             trainer.restore_state(saved)
     batch_size = trainer.config.train.batch_size
     speeds = {mode: batch_size / statistics.median(values) for mode, values in rounds.items()}
-    return speeds, time.perf_counter() - started
+    return Probe(speeds, time.perf_counter() - started, compile_seconds)
 
 
 def seconds_of_loop(trainer, num_updates: int) -> float:

@@ -788,9 +788,9 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
         auto = None
         if config.jit_compile == AUTO:
             logging.info("Timing the compile modes as a run's jit_compile=auto does...")
-            speeds, seconds = compile_mode.measure(trainer)
-            auto = dict(mode=compile_mode.fastest(speeds), probe_seconds=round(seconds, 1),
-                        examples_per_sec={key: round(speeds[mode], 1)
+            probe = compile_mode.measure(trainer)
+            auto = dict(mode=compile_mode.fastest(probe.speeds), probe_seconds=round(probe.seconds, 1),
+                        examples_per_sec={key: round(probe.speeds[mode], 1)
                                           for key, mode in _AUTO_KEYS.items()})
             config = _changed(config, {"jit_compile": auto["mode"]})
             trainer.config = config
