@@ -14,19 +14,24 @@ but the gradient reductions, `CLUSTERED_OPS`, turned on for the train loop's cal
         compile here)
     config.json records an earlier choice for this workdir, measured for the same policy, batch,
         accumulation and model: that one, no probe (a resume keeps it)
+    the same setup measured on this machine before (`compile_cache`): that choice, no probe
     fewer than MIN_PROBED_UPDATES updates left, `deterministic=True`, or a train iterator a
-        checkpoint cannot hold (a Python generator): with XLA, no probe (compiling and timing both
+        checkpoint cannot hold (a Python generator): with XLA, or graph mode where a known rule
+        holds (`_known_rule`: bfloat16 on a CPU with its instructions), no probe (compiling and timing all
         modes would cost a large share of so short a run; a deterministic run must not depend on
         a timing; the data position could not be put back; XLA was the default before "auto")
     otherwise, the probe, before the first real update:
         save everything a checkpoint holds (weights, optimizer, scales, counters, the data position)
             to a temporary folder in the workdir
-        per mode (the three): trace and compile the loop (one update), then time loops of a few
-            updates each, the modes interleaved, on the run's own batches
+        per mode (the three, plain XLA left out where a known rule holds; no further mode once
+            compiling it would take the probe past PROBE_SHARE of the run): trace and compile the
+            loop (one update), then time loops of a few updates each, the modes interleaved, on
+            the run's own batches
         restore it all: the run's numbers and data order are those of a run without the probe (a
             second iterator would not do: over a dataset that reshuffles, it moves the shuffle seed)
-        keep the fastest mode's compiled loop; log the speeds and the probe's cost; record the
-            choice, and what it was measured for, in config.json's `resolved` record
+        keep the fastest mode's compiled loop; log the speeds and the probe's cost beyond
+            compiling that loop (which the run would do anyway); record the choice, and what it
+            was measured for, in config.json's `resolved` record and the machine's cache
     a mode that fails in the probe: XLA without a kernel for an op, or out of memory: graph mode
         (XLA in graph mode's place); any other error (of the data, say): that mode, so the run
         meets it and reports it
