@@ -94,3 +94,18 @@ def test_compact_optimizers_override_kerass_weight_decay_and_variable_index():
     compact.apply([tf.zeros((2,))], [variable])
     # Decay once (1 - 0.5 * 0.1 = 0.95), not twice: Keras's own decay is replaced, not added to.
     assert abs(float(variable.numpy()[0]) - 0.95) < 1e-6
+
+
+def test_compact_optimizers_chain_their_updates_through_kerass_backend_update_step():
+    """engine/compact_optimizer.py wraps `_backend_update_step`, which Keras's `apply` calls with
+    every variable: traced, the second variable's reads wait for what the first one stored."""
+    from mixloop.engine import compact_optimizer
+    assert callable(keras.optimizers.Optimizer._backend_update_step)
+    variables = [keras.Variable(tf.ones((4096,)), name=f"v{i}") for i in range(2)]
+    compact = compact_optimizer.CompactAdamW(learning_rate=0.5, state_dtype="int8")
+    compact.build(variables)
+    apply = tf.function(lambda grads: compact.apply(grads, variables))
+    graph = apply.get_concrete_function([tf.TensorSpec((4096,))] * 2).graph
+    waiting = [op for op in graph.get_operations() if op.type == "ReadVariableOp" and op.control_inputs
+               and any(c.type != "NoOp" for c in op.control_inputs)]
+    assert waiting, "no variable's update waits for the previous one's"

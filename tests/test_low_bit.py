@@ -323,3 +323,26 @@ def test_variables_are_updated_one_after_another_so_their_temporaries_never_add_
         pytest.skip("this TensorFlow's CPU allocator keeps no statistics (oneDNN off)")
     eight = update_peak(CompactAdamW(1e-3, state_dtype="int8"), num_variables, size)
     assert eight < one + num_variables * size * 8, (one, eight)
+
+
+def test_replicas_update_their_copies_side_by_side_each_in_order():
+    """Under MirroredStrategy each device's updates wait for that device's previous one only: no
+    update waits for another replica's (which would make the replicas take turns)."""
+    from mixloop.engine import keras_adapter
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        variables = [keras.Variable(tf.ones([4096]) * i, dtype="bfloat16") for i in range(3)]
+        optimizer = CompactAdamW(1e-3, state_dtype="int8")
+        optimizer.build(variables)
+        keras_adapter.leave_gradients_summed(optimizer)
+
+    @tf.function
+    def apply():
+        strategy.run(lambda: optimizer.apply([tf.ones([4096])] * 3, variables))
+
+    graph = apply.get_concrete_function().graph
+    waits = [(op.device, c.device) for op in graph.get_operations() if op.device
+             for c in op.control_inputs if c.type != "NoOp" and c.device]
+    assert waits and all(reader == writer for reader, writer in waits), waits
+    apply()
+    assert all(np.isfinite(v.numpy().astype(np.float32)).all() for v in variables)

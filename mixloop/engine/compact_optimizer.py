@@ -17,9 +17,10 @@ computed in float32 exactly as Keras computes it for a float32 variable, and onl
     store w                                               (float32: as is; bfloat16: stochastic rounding)
 
 The update uses the moments before they are stored, so their rounding only reaches the next step.
-The variables are updated one after another: each one's float32 temporaries (its moments read as
-float32, its weight cast up, the rounding's noise) are freed before the next one's are made. Left to
-the graph, every variable's would be alive at once, more memory than the compact state saves.
+In graph mode the variables are updated one after another (on each device): each one's float32
+temporaries (its moments read as float32, its weight cast up, the rounding's noise) are freed before
+the next one's are made. Left to the graph, every variable's would be alive at once, more memory than
+the compact state saves. (XLA schedules a compiled step's buffers itself.)
 Stochastic rounding is seeded by (optimizer.iterations, -1 - (3 x the variable's index + which tensor)):
 iterations advance only on applied updates and are checkpointed, so a step rounds the same way when
 it runs again after a resume, and every replica rounds alike (their copies stay equal).
@@ -86,10 +87,11 @@ class _Blockwise:
 
 
 class _Chain:
-    """What the variable updated last stored (tensors), which the next one's update waits for."""
+    """What the variable updated last on each device stored (tensors), which the next one's update
+    on that device waits for: replicas update their copies side by side, each in order."""
 
     def __init__(self):
-        self.stored: list[tf.Tensor] = []
+        self.stored: dict[str, list[tf.Tensor]] = {}
 
 
 class _LowBitUpdates:
@@ -102,16 +104,21 @@ class _LowBitUpdates:
         try:
             super()._backend_update_step(grads, trainable_variables, learning_rate)
         finally:
-            self._chain = _Chain()
+            self._chain = _Chain()  # Its tensors belong to this trace's graph; replicas' threads
+            # each start and end it around the one merged update.
 
-    def _after_previous_update(self):
-        """A context in which the ops made wait for the previous variable's update to be stored."""
-        return tf.control_dependencies(getattr(self, "_chain", _Chain()).stored)
+    def _after_previous_update(self, variable):
+        """A context in which the ops made wait until the previous variable's update on
+        `variable`'s device computed what it stores (its values, not its assignment: enough for
+        its temporaries to be freed, and no two variables share state)."""
+        chain = getattr(self, "_chain", None)
+        return tf.control_dependencies(chain.stored.get(variable.device, []) if chain else [])
 
-    def _updated(self, stored: list[tf.Tensor]) -> None:
-        """Records what this variable's update stored, for the next variable's to wait for."""
-        if hasattr(self, "_chain"):
-            self._chain.stored = stored
+    def _updated(self, variable, stored: list[tf.Tensor]) -> None:
+        """Records what `variable`'s update stored, for the next variable's on its device."""
+        chain = getattr(self, "_chain", None)
+        if chain is not None:
+            chain.stored[variable.device] = stored
 
     def _apply_weight_decay(self, variables):
         """Nothing here: `update_step` decays each weight inside its float32 update (`_decayed`)."""
@@ -177,7 +184,7 @@ class CompactAdam(_LowBitUpdates, keras.optimizers.Adam):
     def update_step(self, gradient: tf.Tensor, variable: tf.Variable, learning_rate: tf.Tensor) -> None:
         """Keras's Adam update in float32, stored as the module docstring says."""
         first, second = self._moments[self._get_variable_index(variable)]
-        with self._after_previous_update():
+        with self._after_previous_update(variable):
             lr = tf.cast(learning_rate, tf.float32)
             gradient = tf.cast(tf.convert_to_tensor(gradient), tf.float32)
             local_step = tf.cast(self.iterations + 1, tf.float32)
@@ -189,7 +196,7 @@ class CompactAdam(_LowBitUpdates, keras.optimizers.Adam):
             v = second.read()
             v = v + (tf.square(gradient) - v) * (1 - self.beta_2)
             weight = self._decayed(variable, tf.cast(variable, tf.float32), lr)
-        self._updated(first.write(m, self._seed(variable, _FIRST_MOMENT))
+        self._updated(variable, first.write(m, self._seed(variable, _FIRST_MOMENT))
                       + second.write(v, self._seed(variable, _SECOND_MOMENT))
                       + self._store_weight(variable, weight - m * alpha / (tf.sqrt(v) + self.epsilon)))
 
@@ -219,7 +226,7 @@ class CompactSGD(_LowBitUpdates, keras.optimizers.SGD):
         """Keras's SGD update in float32 (`m <- momentum m - lr g`; `w <- w + m`, or with Nesterov
         `w <- w + momentum m - lr g`), the weight stored by `store`."""
         slot = self.momentums[self._get_variable_index(variable)]
-        with self._after_previous_update():
+        with self._after_previous_update(variable):
             lr = tf.cast(learning_rate, tf.float32)
             step = -tf.cast(tf.convert_to_tensor(gradient), tf.float32) * lr
             if slot is not None:
@@ -228,7 +235,7 @@ class CompactSGD(_LowBitUpdates, keras.optimizers.SGD):
                 slot.assign(m)
                 step = m * momentum + step if self.nesterov else m
             weight = self._decayed(variable, tf.cast(variable, tf.float32), lr)
-        self._updated(self._store_weight(variable, weight + step))
+        self._updated(variable, self._store_weight(variable, weight + step))
 
 
 # The optimizers that store state in fewer bits and round bfloat16 weights stochastically.
