@@ -6,13 +6,15 @@ traceback from the middle of TensorFlow.
 The handlers are armed when one of these commands first imports the `mixloop` package, before
 TensorFlow (seconds of the startup). The training loop disarms them as it takes over the signals
 with its own (checkpoint, then a clean exit); every command disarms them when its work is done. The
-tools write their files (--output) last, so an interrupted one has written nothing.
+tools write their files (--output) last, so an interrupted one has written nothing. A stop
+during a probe at the start of a run (the precision placement, the compile mode) ends the probe at
+its next boundary (`ProbeStopped`).
 """
 
 import os
 import signal
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 # The commands whose signals end them in one line, and when a signal comes for each.
 COMMANDS = {"mixloop.train": "before training started",
@@ -63,3 +65,14 @@ class _QuietExit:
         os.write(2, f"error: interrupted by {signal.Signals(signal_number).name} {self.when}; "
                     "nothing was written\n".encode())
         raise SystemExit(128 + signal_number)
+
+
+class ProbeStopped(Exception):
+    """A stop (SIGTERM, Ctrl-C) came during a probe at the start (the precision placement, the
+    compile mode), which gave up at its next boundary: state put back, nothing recorded."""
+
+
+def check_stop(stop_requested: Callable[[], bool]) -> None:
+    """Where a probe may give up: raises `ProbeStopped` once `stop_requested()`."""
+    if stop_requested():
+        raise ProbeStopped()

@@ -51,6 +51,7 @@ from mixloop.config import (AUTO, DEFAULT_INITIAL_SCALE, ConfigError, compiles a
                             split_auto)
 from mixloop.engine import layer_precision
 from mixloop.engine.loss_scale import DynamicLossScale
+from mixloop import interrupts
 from mixloop.errors import UserError
 from mixloop.runner import controller, precision_report, workdir
 from mixloop.runner.precision_report import MARGIN_BITS, DtypeRange, PrecisionReport
@@ -106,7 +107,7 @@ def start(trainer, stop_requested: Callable[[], bool] = lambda: False) -> None:
             reports, found, evidence = _place(trainer, batches, stop_requested)
         else:
             reports, found, evidence = _probe(trainer, batches, stop_requested), [], []
-    except controller.ProbeStopped:  # The run saves and exits; its resume probes.
+    except interrupts.ProbeStopped:  # The run saves and exits; its resume probes.
         logging.info("Automatic precision: the probe gave up for the stop request after %.1f s; no "
                      "layer moves, nothing recorded", time.perf_counter() - started)
         return
@@ -253,7 +254,7 @@ def _place(trainer, batches: list, stop_requested: Callable[[], bool] = lambda: 
     layers moved and the evidence for each.
 
     Raises:
-      controller.ProbeStopped: once `stop_requested()` during the probe, nothing moved.
+      interrupts.ProbeStopped: once `stop_requested()` during the probe, nothing moved.
     """
     reports = _probe(trainer, batches, stop_requested)
     # The layers' values come from the one forward pass every objective shares: the first
@@ -271,7 +272,7 @@ def _probe(trainer, batches: Iterable[Any], stop_requested: Callable[[], bool] =
 
     Raises:
       UserError: when reading the batches or running the model on them fails, or there are none.
-      controller.ProbeStopped: once `stop_requested()` (`precision_report.diagnose_batches`).
+      interrupts.ProbeStopped: once `stop_requested()` (`precision_report.diagnose_batches`).
     """
     try:
         # Without the doctor's columns the advice does not read: rel.err and FP8.

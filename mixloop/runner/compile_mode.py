@@ -59,6 +59,7 @@ from absl import logging
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 
+from mixloop import interrupts
 from mixloop.config import ELEMENTWISE, ConfigError
 from mixloop.runner import compile_cache, controller, workdir
 
@@ -216,7 +217,7 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
     modes = [mode for mode in MODES if not (mode is True and rule)]
     try:
         probe = measure(trainer, modes, run_updates=left, stop_requested=stop_requested)
-    except controller.ProbeStopped:
+    except interrupts.ProbeStopped:
         trainer.set_jit_compile(False if rule else True)  # As unprobed: by the rule, else XLA.
         logging.info("jit_compile=auto: the probe gave up for the stop request, state restored")
         return False
@@ -327,7 +328,7 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
     PROBE_SHARE of the run's time at the fastest step timed so far: at least the first is measured.
 
     Raises:
-      controller.ProbeStopped: at the first loop boundary after `stop_requested()` turned true.
+      interrupts.ProbeStopped: at the first loop boundary after `stop_requested()` turned true.
     """
     started = time.perf_counter()
     with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
@@ -338,12 +339,12 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
                 if seconds and run_updates is not None and _over_budget(
                         time.perf_counter() - started, len(seconds), run_updates, seconds):
                     break
-                controller.check_stop(stop_requested)
+                interrupts.check_stop(stop_requested)
                 trainer.set_jit_compile(mode)
                 compiling = time.perf_counter()
                 trainer.train_loop(1)  # Traces and compiles.
                 compile_seconds[mode] = time.perf_counter() - compiling
-                controller.check_stop(stop_requested)
+                interrupts.check_stop(stop_requested)
                 seconds[mode] = seconds_of_loop(trainer, 1)
             # Per mode, about PROBE_SECONDS a loop: a mode 30x slower is timed on fewer updates.
             num_updates = {mode: max(1, min(MAX_PROBE_UPDATES,
@@ -352,7 +353,7 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
             rounds = {mode: [] for mode in seconds}
             for _ in range(PROBE_ROUNDS):
                 for mode in seconds:
-                    controller.check_stop(stop_requested)
+                    interrupts.check_stop(stop_requested)
                     trainer.set_jit_compile(mode)
                     before = int(trainer.global_step.numpy())
                     seconds_taken = seconds_of_loop(trainer, num_updates[mode])

@@ -107,17 +107,6 @@ class Runnable(Protocol):
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class ProbeStopped(Exception):
-    """A stop (SIGTERM, Ctrl-C) came during a probe at the start (the precision placement, the
-    compile mode), which gave up at its next boundary: state put back, nothing recorded."""
-
-
-def check_stop(stop_requested: Callable[[], bool]) -> None:
-    """Where a probe may give up: raises `ProbeStopped` once `stop_requested()`."""
-    if stop_requested():
-        raise ProbeStopped()
-
-
 class _StopRequest:
     """Turns SIGINT and SIGTERM into a request to stop at the next loop boundary; one that comes
     while an action runs is logged, as the checkpoint waits for the action to return."""

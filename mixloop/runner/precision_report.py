@@ -94,7 +94,8 @@ from mixloop.engine.policy import Policy
 from mixloop.engine.loss import per_weight
 from mixloop.engine.step import forward, split_micro_batches
 from mixloop.errors import UserError, described
-from mixloop.runner import controller, float8_report
+from mixloop import interrupts
+from mixloop.runner import float8_report
 from mixloop.runner.float8_report import Float8Advice, Float8Report
 
 MARGIN_BITS = 3  # Doublings of headroom kept free for batches and updates the diagnosis did not see.
@@ -315,7 +316,7 @@ def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
 
     Raises:
       UserError, ValueError: as `diagnose`, and UserError when `batches` is empty.
-      controller.ProbeStopped: once `stop_requested()`, the model's variables put back.
+      interrupts.ProbeStopped: once `stop_requested()`, the model's variables put back.
     """
     _check_diagnosable(trainer, objectives, 1, loss_scale)
     batches = list(batches)
@@ -324,7 +325,7 @@ def diagnose_batches(trainer, objectives: Sequence[str], batches: Iterable[Any],
     micro_batches = [micro_batch for batch in batches
                      for micro_batch in _micro_batches(batch, trainer.train_step.accumulation_steps)]
     twin = build_model(trainer.build_model, Policy.from_string("float32"))
-    controller.check_stop(stop_requested)
+    interrupts.check_stop(stop_requested)
     # As the trainer quantized its model, so that the twin's variables pair with the model's.
     float8_layers.quantize(twin, trainer.float8_paths)
     _freeze_as(twin, trainer.model)
@@ -633,7 +634,7 @@ def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
     Each call of a layer in `dtypes` (index -> dtype) comes back as its `_CallStats`, its output
     gradients times `examined_scale` counted as cast to that dtype; the layers in `float8` (indices)
     also come back with their inputs and output gradients (the FP8 column needs every value).
-    A pass raises `controller.ProbeStopped` once `stop_requested()`, asked as it starts and,
+    A pass raises `interrupts.ProbeStopped` once `stop_requested()`, asked as it starts and,
     while it is traced, at each layer call, backward step and layer's statistics.
 
     The passes run inside a `tf.function`, as the train step does, not eagerly: eager
@@ -679,12 +680,12 @@ def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
         return order, stats, grads, float8_values
 
     def run(batch: Any, scale: float, state: list[np.ndarray], examined_scale: float = 1.0) -> _Pass:
-        controller.check_stop(stop_requested)
+        interrupts.check_stop(stop_requested)
         _assign(net.model.non_trainable_variables, state)
         try:
             order, stats, grads, float8_values = traced(
                 batch, tf.constant(scale, tf.float32), tf.constant(examined_scale, tf.float32))
-        except controller.ProbeStopped:  # Not the layer's failure, where it was raised.
+        except interrupts.ProbeStopped:  # Not the layer's failure, where it was raised.
             raise
         except Exception:
             if not failures:
@@ -732,7 +733,7 @@ class _Calls(dict):
         self.stop_requested = stop_requested
 
     def check_stop(self) -> None:
-        controller.check_stop(self.stop_requested)
+        interrupts.check_stop(self.stop_requested)
 
     def enter(self, index: int) -> None:
         self.check_stop()
@@ -764,7 +765,7 @@ def _recording_calls(layers: list, watch, failures: list,
     """Wraps each layer's call to record its floating inputs and outputs (and `watch` the outputs,
     so the tape can differentiate by them), and where the backward pass is (`_Calls`); a layer
     that raises is added to `failures`; each call and backward step raises
-    `controller.ProbeStopped` once `stop_requested()`. Unwraps on exit."""
+    `interrupts.ProbeStopped` once `stop_requested()`. Unwraps on exit."""
     calls = _Calls(failures, stop_requested)
 
     def recording(index, layer, call):
