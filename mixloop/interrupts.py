@@ -54,7 +54,13 @@ def disarm() -> None:
 
 
 class _QuietExit:
-    """The handler: one line naming the signal and `when` it came, then the exit."""
+    """The handler: one line naming the signal and `when` it came, then the process ends at once.
+
+    Not by raising SystemExit: the handler runs wherever the main thread happens to be, and code
+    there may turn the exception into another one (an extension module's initialisation reports
+    any exception as an ImportError; TensorFlow turns one in a traced function into its own
+    error), a traceback and exit status 1. Ending here skips nothing: nothing was written yet.
+    """
 
     def __init__(self, when: str):
         self.when = when
@@ -64,7 +70,16 @@ class _QuietExit:
         # sys.stderr, whose buffer then refuses a second writer ("reentrant call").
         os.write(2, f"error: interrupted by {signal.Signals(signal_number).name} {self.when}; "
                     "nothing was written\n".encode())
-        raise SystemExit(128 + signal_number)
+        _flush_quietly(sys.stdout)  # What the command printed so far, as an exit would.
+        os._exit(128 + signal_number)
+
+
+def _flush_quietly(stream) -> None:
+    """Flushes `stream` unless the signal interrupted a write to it (its buffer is taken then)."""
+    try:
+        stream.flush()
+    except (RuntimeError, OSError, ValueError):
+        pass
 
 
 class ProbeStopped(Exception):

@@ -19,7 +19,11 @@ TWIN_SECONDS = 3  # Long enough for the test's signal to come while the twin is 
 class SlowStartTrainer(tiny_experiment.TinyTrainer):
     def build_model(self):
         print(BUILDING, file=sys.stderr, flush=True)
-        time.sleep(120)  # Interrupted by the test long before.
+        # Interrupted by the test long before. In short sleeps, as a build busy in Python: the
+        # kernel may hand the signal to one of TensorFlow's threads, and then Python runs the
+        # handler only when the main thread next runs Python code, not inside one long sleep.
+        for _ in range(1200):
+            time.sleep(0.1)
         return super().build_model()
 
 

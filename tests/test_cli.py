@@ -99,12 +99,17 @@ class _SignallingRaw(io.RawIOBase):
         return len(data)
 
 
+def _raise_system_exit(code):
+    raise SystemExit(code)
+
+
 def test_a_signal_during_a_write_to_stderr_is_still_one_line(monkeypatch, capfd):
     """The handler runs inside the interrupted write, while sys.stderr's buffer is taken: it must
     not write through it (RuntimeError: reentrant call, and a traceback)."""
     monkeypatch.setattr(sys, "argv", ["-m"])
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "mixloop.train"])
     monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(io.BufferedWriter(_SignallingRaw())))
+    monkeypatch.setattr(os, "_exit", _raise_system_exit)  # Not this test process's end.
     before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
         interrupts.exit_quietly_while_starting()

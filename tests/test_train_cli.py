@@ -364,7 +364,7 @@ def test_an_interrupted_startup_is_one_line_and_writes_nothing(tmp_path, signal_
     finally:
         process.kill()
 
-    assert process.returncode == 128 + signal_number
+    assert process.returncode == 128 + signal_number, stderr[-3000:]
     assert "Traceback" not in stderr
     assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
         f"error: interrupted by {signal.Signals(signal_number).name} before training started; "

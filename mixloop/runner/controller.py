@@ -169,7 +169,8 @@ def train(trainer: Runnable) -> dict[str, float]:
     # Before the lock: a bad Action is refused with nothing written.
     actions = checked_actions(trainer.actions())
     lock_directory = trainer.workdir if trainer.is_chief else trainer.checkpoints.directory
-    with workdir.WorkdirLock(lock_directory), _StopRequest() as stop:
+    # The stop request first: from the lock on, a signal stops the run at a checkpoint.
+    with _StopRequest() as stop, workdir.WorkdirLock(lock_directory):
         if trainer.is_chief:
             workdir.check_writable(trainer.workdir)
             workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
