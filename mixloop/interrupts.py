@@ -57,9 +57,10 @@ class _QuietExit:
     """The handler: one line naming the signal and `when` it came, then the process ends at once.
 
     Not by raising SystemExit: the handler runs wherever the main thread happens to be, and code
-    there may turn the exception into another one (an extension module's initialisation reports
-    any exception as an ImportError; TensorFlow turns one in a traced function into its own
-    error), a traceback and exit status 1. Ending here skips nothing: nothing was written yet.
+    there may swallow the exception (Python ignores one raised in a weakref callback, such as
+    importlib's module-lock callbacks during TensorFlow's import: the startup went on) or turn it
+    into another (pybind11 reports any exception in a module's initialisation as an ImportError):
+    exit status 0 or 1, or a traceback. Ending here skips nothing: nothing was written yet.
     """
 
     def __init__(self, when: str):
