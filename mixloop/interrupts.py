@@ -5,8 +5,9 @@ traceback from the middle of TensorFlow.
 
 The handlers are armed when one of these commands first imports the `mixloop` package, before
 TensorFlow (seconds of the startup). The training loop disarms them as it takes over the signals
-with its own (checkpoint, then a clean exit); every command disarms them when its work is done. The
-tools write their files (--output) last, so an interrupted one has written nothing. A stop
+with its own (checkpoint, then a clean exit), before it writes anything into the workdir; every
+command disarms them when its work is done. The tools write their files (--output) last, so an
+interrupted one has written nothing. A stop
 during a probe at the start of a run (the precision placement, the compile mode) ends the probe at
 its next boundary (`ProbeStopped`).
 """
@@ -54,25 +55,39 @@ def disarm() -> None:
 
 
 class _QuietExit:
-    """The handler: one line naming the signal and `when` it came, then the process ends at once.
+    """The handler: one line naming the signal and `when` it came, then the exit.
 
-    Not by raising SystemExit: the handler runs wherever the main thread happens to be, and code
-    there may swallow the exception (Python ignores one raised in a weakref callback, such as
-    importlib's module-lock callbacks during TensorFlow's import: the startup went on) or turn it
-    into another (pybind11 reports any exception in a module's initialisation as an ImportError):
-    exit status 0 or 1, or a traceback. Ending here skips nothing: nothing was written yet.
+    While the command starts (imports, flags, the trainer's build) the process ends at once: the
+    handler runs wherever the main thread happens to be, and code there may swallow a raised
+    SystemExit (Python ignores one raised in a weakref callback, such as importlib's module-lock
+    callbacks during TensorFlow's import: the startup went on) or turn it into another (pybind11
+    reports any exception in a module's initialisation as an ImportError): exit status 0 or 1, or
+    a traceback. Ending there skips nothing: nothing was written yet. A tool's work, which has
+    temporary folders and child processes to clean up, unwinds instead (`unwind_from_here`).
     """
 
     def __init__(self, when: str):
         self.when = when
+        self.unwinds = False
 
     def __call__(self, signal_number: int, frame) -> None:
         # Straight to the descriptor: the signal can come while this thread is inside a write to
         # sys.stderr, whose buffer then refuses a second writer ("reentrant call").
         os.write(2, f"error: interrupted by {signal.Signals(signal_number).name} {self.when}; "
                     "nothing was written\n".encode())
+        if self.unwinds:
+            raise SystemExit(128 + signal_number)
         _flush_quietly(sys.stdout)  # What the command printed so far, as an exit would.
         os._exit(128 + signal_number)
+
+
+def unwind_from_here() -> None:
+    """From here a signal raises SystemExit, so that the work's cleanup runs (a tool's temporary
+    folders, its child processes) rather than ending the process at once."""
+    for signal_number in _DEFAULT_HANDLERS:
+        handler = signal.getsignal(signal_number)
+        if isinstance(handler, _QuietExit):
+            handler.unwinds = True
 
 
 def _flush_quietly(stream) -> None:

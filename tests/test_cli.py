@@ -5,6 +5,7 @@ import io
 import logging
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -99,17 +100,13 @@ class _SignallingRaw(io.RawIOBase):
         return len(data)
 
 
-def _raise_system_exit(code):
-    raise SystemExit(code)
-
-
 def test_a_signal_during_a_write_to_stderr_is_still_one_line(monkeypatch, capfd):
     """The handler runs inside the interrupted write, while sys.stderr's buffer is taken: it must
     not write through it (RuntimeError: reentrant call, and a traceback)."""
     monkeypatch.setattr(sys, "argv", ["-m"])
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "mixloop.train"])
     monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(io.BufferedWriter(_SignallingRaw())))
-    monkeypatch.setattr(os, "_exit", _raise_system_exit)  # Not this test process's end.
+    monkeypatch.setattr(os, "_exit", _recording_exit)  # Not this test process's end.
     before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
         interrupts.exit_quietly_while_starting()
@@ -119,5 +116,77 @@ def test_a_signal_during_a_write_to_stderr_is_still_one_line(monkeypatch, capfd)
         for number, handler in before.items():
             signal.signal(number, handler)
     assert exit_.value.code == 128 + signal.SIGTERM
+    assert _recording_exit.codes == [128 + signal.SIGTERM]  # Ended at once, not unwound.
     assert capfd.readouterr().err == (
         "error: interrupted by SIGTERM before training started; nothing was written\n")
+
+
+def _recording_exit(code):
+    """os._exit's stand-in: records `code` and raises SystemExit, so the test process goes on."""
+    _recording_exit.codes.append(code)
+    raise SystemExit(code)
+
+
+_recording_exit.codes = []
+
+
+@pytest.fixture
+def quiet_handlers(monkeypatch):
+    """The quiet handlers armed as for `python -m mixloop.benchmark`, os._exit recorded, and the
+    test process's own handlers back afterwards."""
+    monkeypatch.setattr(sys, "argv", ["-m"])
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "mixloop.benchmark"])
+    monkeypatch.setattr(os, "_exit", _recording_exit)
+    monkeypatch.setattr(_recording_exit, "codes", [])
+    before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    interrupts.exit_quietly_while_starting()
+    yield
+    for number, handler in before.items():
+        signal.signal(number, handler)
+
+
+def test_a_tools_work_unwinds_on_a_signal_so_its_cleanup_runs(quiet_handlers, capfd):
+    interrupts.unwind_from_here()  # What the tools' main() does first.
+    cleaned = []
+    with pytest.raises(SystemExit) as exit_:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0)  # A moment for the handler to run.
+        finally:
+            cleaned.append(True)  # A temporary folder's removal, a child process's kill.
+    assert (exit_.value.code, _recording_exit.codes, cleaned) == (128 + signal.SIGTERM, [], [True])
+    assert capfd.readouterr().err == (
+        "error: interrupted by SIGTERM before the benchmark finished; nothing was written\n")
+
+
+SWALLOWING_CALLBACK = """
+import importlib.util, os, signal, sys, time, weakref
+spec = importlib.util.spec_from_file_location("interrupts", sys.argv[1])
+interrupts = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(interrupts)
+sys.argv, sys.orig_argv = ["-m"], ["python", "-m", "mixloop.train"]  # As the command starts.
+interrupts.exit_quietly_while_starting()
+
+class Module:
+    pass
+
+def callback(reference):  # As importlib's module-lock callbacks during TensorFlow's import.
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.01)  # The handler runs here, inside the callback.
+
+module = Module()
+lock = weakref.ref(module, callback)
+del module
+print("the startup went on", flush=True)
+"""
+
+
+def test_a_signal_inside_a_weakref_callback_still_ends_the_startup(tmp_path):
+    """Python ignores an exception raised in a weakref callback: a handler that raised SystemExit
+    there printed its line and the startup went on (a CI run's SIGINT during TensorFlow's import,
+    then exit status 1)."""
+    result = subprocess.run([sys.executable, "-c", SWALLOWING_CALLBACK, interrupts.__file__],
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (128 + signal.SIGINT, "")
+    assert result.stderr == ("error: interrupted by SIGINT before training started; nothing was "
+                             "written\n")

@@ -74,7 +74,7 @@ import ml_collections
 import tensorflow as tf
 from absl import flags, logging
 
-from mixloop import cli
+from mixloop import cli, interrupts
 from mixloop.config import AUTO, split_auto, validate
 from mixloop.engine import float8_layers, layer_precision
 from mixloop.engine.loss import Loss, as_loss, as_losses
@@ -827,6 +827,7 @@ def define_flags() -> None:
 
 
 def main() -> None:
+    interrupts.unwind_from_here()  # Its temporary folders and child processes are cleaned up.
     config, _ = cli.experiment_from_flags()
     options = flags.FLAGS
     # fit's `shuffle` defaults to True, which a tf.data.Dataset ignores, with a warning.

@@ -27,7 +27,7 @@ import tensorflow as tf
 from absl import flags, logging
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 
-from mixloop import cli
+from mixloop import cli, interrupts
 from mixloop.config import DEFAULT_INITIAL_SCALE
 from mixloop.engine.compact_optimizer import MIN_QUANTIZED_SIZE
 from mixloop.errors import UserError
@@ -443,6 +443,7 @@ def output_directory(report: PrecisionReport, output: str) -> str:
 
 
 def main() -> None:
+    interrupts.unwind_from_here()  # Its temporary folders and child processes are cleaned up.
     config, workdir = cli.experiment_from_flags()
     if _OUTPUT.value:
         cli.check_output(_OUTPUT.value, folder=True)  # Before the work, not after it.
