@@ -3,6 +3,8 @@ int8 round trips within the code book's bound, unbiased and reproducible stochas
 Adam(W)/SGD numbers reproduced, low-bit state tracking float32 Adam, tiny updates kept by bfloat16
 weights, checkpoints restored bit-identically, and build_optimizer's choice."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -52,6 +54,32 @@ def test_int8_round_trip_is_the_nearest_code_within_half_the_gap_around_it(signe
     below = np.clip(np.searchsorted(book, normalized) - 1, 0, len(gaps) - 1)
     around = np.maximum.reduce([gaps[np.clip(below + k, 0, len(gaps) - 1)] for k in (-1, 0, 1)])
     assert np.all(error <= around / 2 * scale * (1 + 1e-5))
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_xla_quantizes_as_tensorflows_kernel_does_without_a_value_by_code_table(signed):
+    """Under XLA the codes come from a binary search (XLA on a CPU compiles searchsorted into a
+    table of every value against every code: 1 GB for a million values); it must agree with the
+    kernel on every value, the midpoints between codes (ties) and the book's ends included."""
+    book = low_bit.dynamic_code_book(signed)
+    midpoints = (book[:-1] + book[1:]) / 2
+    values = np.concatenate([book, midpoints, np.nextafter(midpoints, np.float32(2)),
+                             np.random.default_rng(1).uniform(-1 if signed else 0, 1, 3000)])
+    # Each block of 256: 255 of them and a 1.0, so that its scale is 1 and they are quantized as given.
+    rows = np.pad(values, (0, -len(values) % 255)).reshape(-1, 255)
+    x = np.concatenate([rows, np.ones((len(rows), 1))], axis=1).reshape(-1)
+    x = tf.constant(x.astype(np.float32))
+
+    def quantize(values):
+        return low_bit.quantize_blockwise(values, signed)
+
+    by_kernel = tf.function(quantize)(x)[0].numpy()
+    by_xla = tf.function(quantize, jit_compile=True)
+    np.testing.assert_array_equal(by_xla(x)[0].numpy(), by_kernel)
+    hlo = by_xla.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+    largest = max(int(np.prod([int(d) for d in dims.split(",") if d]))
+                  for dims in re.findall(r"\[([\d,]*)\]", hlo))
+    assert largest <= 2 * x.shape[0]  # The values' size, not values x 255.
 
 
 def test_the_dynamic_code_books_are_bitsandbytes_maps():
