@@ -31,6 +31,9 @@ def make_trainer(workdir, **overrides):
     return tiny_experiment.TinyTrainer(config, str(workdir))
 
 
+KNOWN_RULE = compile_mode._known_rule  # The fixture below turns it off; some tests put it back.
+
+
 @pytest.fixture
 def pinned_speeds(monkeypatch):
     """The probe measures every run, however short, and sees the speeds the test sets: seconds per
@@ -39,7 +42,7 @@ def pinned_speeds(monkeypatch):
     modes timed."""
     monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
     monkeypatch.setattr(compile_mode, "PROBE_SHARE", math.inf)  # Every mode, however short the run.
-    monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": "avx2"})  # No rule.
+    monkeypatch.setattr(compile_mode, "_known_rule", lambda compute_dtype: None)  # No rule.
     seconds, timed = {True: 1.0, False: 1.0, "elementwise": 10.0}, []
 
     def seconds_of_loop(trainer, num_updates):
@@ -206,7 +209,8 @@ def test_a_mode_with_xla_is_refused_for_several_replicas(jit_compile):
 
 
 def test_a_short_run_takes_xla_unprobed_and_several_replicas_graph_mode(tmp_path):
-    short = make_trainer(tmp_path / "short")  # 20 updates, under MIN_PROBED_UPDATES.
+    # 20 updates, under MIN_PROBED_UPDATES; float32, which no known rule keeps from XLA.
+    short = make_trainer(tmp_path / "short", **{"precision.policy": "float32"})
     short.train()
     assert short.jit_compile is True
     mirrored = make_trainer(tmp_path / "mirrored", distribution="mirrored")
@@ -230,7 +234,7 @@ def test_a_mode_that_fails_in_the_probe(tmp_path, monkeypatch, failing_mode, err
         return real(trainer, num_updates)
 
     monkeypatch.setattr(compile_mode, "seconds_of_loop", failing)
-    trainer = make_trainer(tmp_path)
+    trainer = make_trainer(tmp_path, **{"precision.policy": "float32"})  # XLA probed too: no rule.
     trainer.train()
     assert trainer.jit_compile is chosen and int(trainer.global_step.numpy()) == 20
     assert resolved(tmp_path) == {}  # Nothing measured, nothing recorded.
@@ -338,9 +342,9 @@ def test_an_explicit_mode_is_never_overridden_by_the_cache(tmp_path, explicit):
 
 @pytest.mark.parametrize("policy, flags, expected", [
     ("mixed_bfloat16", "avx512f avx512_bf16", False), ("mixed_bfloat16", "avx2 amx_bf16", False),
-    ("mixed_bfloat16", "avx2 avx512f", True), ("mixed_float16", "avx512_bf16", True),
-    ("float32", "avx512_bf16 amx_bf16", True)])
-def test_a_short_run_takes_graph_mode_for_bfloat16_on_a_cpu_with_its_instructions(
+    ("mixed_bfloat16", "avx2 avx512f", True), ("mixed_float16", "avx512_bf16", False),
+    ("mixed_float16", "avx2", False), ("float32", "avx512_bf16 amx_bf16", True)])
+def test_a_short_run_takes_graph_mode_for_bfloat16_with_its_instructions_and_for_float16(
         tmp_path, monkeypatch, caplog, policy, flags, expected):
     monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": flags})
     trainer = make_trainer(tmp_path, **{"precision.policy": policy})
@@ -349,11 +353,13 @@ def test_a_short_run_takes_graph_mode_for_bfloat16_on_a_cpu_with_its_instruction
     assert trainer.jit_compile is expected
     assert resolved(tmp_path) == {"jit_compile": expected}  # A resume keeps it.
     [line] = [r.getMessage() for r in caplog.records if "does not measure a run of" in r.getMessage()]
-    assert ("runs fastest on TensorFlow's kernels" in line) is (expected is False)
+    reason = ("stays lighter than float32 in graph mode" if policy == "mixed_float16"
+              else "runs fastest on TensorFlow's kernels")
+    assert (reason in line) is (expected is False)
 
 
 def test_a_deterministic_run_never_takes_a_timed_choice_from_the_cache(tmp_path):
-    trainer = make_trainer(tmp_path, deterministic=True)
+    trainer = make_trainer(tmp_path, deterministic=True, **{"precision.policy": "float32"})
     compile_cache.store(compile_cache.key_of(compile_cache.setup(trainer)), "elementwise", {})
     trainer.train()
     assert trainer.jit_compile is True and resolved(tmp_path) == {"jit_compile": True}
@@ -381,6 +387,7 @@ def test_the_probe_compiles_no_mode_past_its_share_of_the_run(tmp_path, pinned_s
 def test_a_bfloat16_probe_on_a_cpu_with_its_instructions_leaves_plain_xla_out(tmp_path, pinned_speeds,
                                                                               monkeypatch, caplog):
     timed = pinned_speeds[1]
+    monkeypatch.setattr(compile_mode, "_known_rule", KNOWN_RULE)
     monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": "avx512_bf16"})
     trainer = make_trainer(tmp_path, **{"precision.policy": "mixed_bfloat16"})
     with caplog.at_level(logging.INFO):
@@ -392,6 +399,24 @@ def test_a_bfloat16_probe_on_a_cpu_with_its_instructions_leaves_plain_xla_out(tm
     probe, extra = map(float, re.search(r"probe: ([\d.]+) s, ([\d.]+) s more than compiling the "
                                         r"loop the run keeps", line).groups())
     assert 0 < extra < probe
+
+
+def test_a_cached_xla_choice_that_a_known_rule_leaves_out_is_measured_again(tmp_path, pinned_speeds,
+                                                                             monkeypatch, caplog):
+    """A float16 setup measured fastest with XLA before the float16 rule (a cache of an earlier
+    version): the rule's modes are measured, not the cached XLA taken."""
+    seconds, timed = pinned_speeds
+    seconds.update({True: 1.0, False: 2.0, "elementwise": 5.0})
+    make_trainer(tmp_path / "first").train()
+    assert compile_cache.lookup(compile_cache.key_of(compile_cache.setup(
+        make_trainer(tmp_path / "first"))))["mode"] is True
+    monkeypatch.setattr(compile_mode, "_known_rule", KNOWN_RULE)
+    timed.clear()
+    second = make_trainer(tmp_path / "second")
+    with caplog.at_level(logging.INFO):
+        second.train()
+    assert set(timed) == {False, "elementwise"} and second.jit_compile is False
+    assert not any("as measured for this setup" in r.getMessage() for r in caplog.records)
 
 
 def test_the_probe_costs_the_run_all_but_the_compilation_of_the_loop_it_keeps():

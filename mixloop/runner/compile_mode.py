@@ -15,11 +15,13 @@ but the gradient reductions, `CLUSTERED_OPS`, turned on for the train loop's cal
     config.json records an earlier choice for this workdir, measured for the same policy, batch,
         accumulation and model: that one, no probe (a resume keeps it)
     the same setup measured on this machine before (`compile_cache`): that choice, no probe
+        (unless it is plain XLA and a known rule now leaves that out)
     fewer than MIN_PROBED_UPDATES updates left, `deterministic=True`, or a train iterator a
         checkpoint cannot hold (a Python generator): with XLA, or graph mode where a known rule
-        holds (`_known_rule`: bfloat16 on a CPU with its instructions), no probe (compiling and timing all
-        modes would cost a large share of so short a run; a deterministic run must not depend on
-        a timing; the data position could not be put back; XLA was the default before "auto")
+        holds (`_known_rule`: bfloat16 on a CPU with its instructions, float16 on any CPU), no
+        probe (compiling and timing all modes would cost a large share of so short a run; a
+        deterministic run must not depend on a timing; the data position could not be put back;
+        XLA was the default before "auto")
     otherwise, the probe, before the first real update:
         save everything a checkpoint holds (weights, optimizer, scales, counters, the data position)
             to a temporary folder in the workdir
@@ -193,7 +195,8 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
                     else "a run whose data position a checkpoint cannot hold")
     cache_key = compile_cache.key_of(compile_cache.setup(trainer))
     cached = None if unmeasurable else compile_cache.lookup(cache_key)
-    if cached is not None and is_mode(cached["mode"]):
+    rule = _known_rule(trainer.policy.compute_dtype)
+    if cached is not None and is_mode(cached["mode"]) and not (cached["mode"] is True and rule):
         trainer.set_jit_compile(cached["mode"])
         logging.info("Train step %s: jit_compile=auto, as measured for this setup on this machine "
                      "at %s (cache %s; %s=off measures again)", describe(cached["mode"]),
@@ -205,7 +208,6 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
     unprobed = unmeasurable or (f"a run of {left} updates (under {MIN_PROBED_UPDATES})"
                                 if left < MIN_PROBED_UPDATES else None)
     if unprobed:
-        rule = _known_rule(trainer.policy.compute_dtype)
         mode = False if rule else True
         trainer.set_jit_compile(mode)
         logging.info("Train step %s: jit_compile=auto does not measure %s%s; --config.jit_compile=%s "
@@ -213,7 +215,6 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
                      not mode, describe(not mode))
         _record(trainer, mode, measured_for)  # A resume keeps it, whatever the cache learns meanwhile.
         return False
-    rule = _known_rule(trainer.policy.compute_dtype)
     modes = [mode for mode in MODES if not (mode is True and rule)]
     try:
         probe = measure(trainer, modes, run_updates=left, stop_requested=stop_requested)
@@ -258,11 +259,22 @@ def _record(trainer, mode: Mode, measured_for: dict[str, Any]) -> None:
 
 
 def _known_rule(compute_dtype: Any) -> Optional[str]:
-    """Why graph mode wins unmeasured, or None: a bfloat16 policy on a CPU (no GPU) whose flags
-    have AVX512_BF16 or AMX, whose bfloat16 matrix products only TensorFlow's own kernels use (XLA
-    on a CPU does not: plain XLA measured the slowest mode there, charlm at width 512 18.2 examples/s
-    against 27.6 in graph mode)."""
-    if tf.as_dtype(compute_dtype) != tf.bfloat16 or tf.config.list_physical_devices("GPU"):
+    """Why graph mode wins unmeasured over plain XLA, or None; on a CPU (no GPU):
+
+    - a bfloat16 policy where the flags have AVX512_BF16 or AMX, whose bfloat16 matrix products
+      only TensorFlow's own kernels use (XLA on a CPU does not: plain XLA measured the slowest mode
+      there, charlm at width 512 18.2 examples/s against 27.6 in graph mode);
+    - a float16 policy anywhere: the memory TensorFlow's kernels keep from the precision probe's
+      passes is reused by a loop in graph mode, while XLA's buffers come on top of it (charlm at
+      width 512: 1.43x float32's peak with XLA, 0.97x in graph mode; digits 1.04x and 0.84x), and
+      XLA on a CPU has no float16 arithmetic to gain speed from.
+    """
+    if tf.config.list_physical_devices("GPU"):
+        return None
+    if tf.as_dtype(compute_dtype) == tf.float16:
+        return ("a float16 policy on a CPU stays lighter than float32 in graph mode (XLA's buffers "
+                "come on top of the memory the precision probe leaves)")
+    if tf.as_dtype(compute_dtype) != tf.bfloat16:
         return None
     flags = set(compile_cache.cpu()["flags"].split())
     found = sorted(flags & {"avx512_bf16", "amx_bf16"})
