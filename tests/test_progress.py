@@ -33,6 +33,7 @@ def test_compile_time_is_logged_apart_and_left_out_of_the_speed(tmp_path, caplog
     caplog.set_level(logging.INFO)
     config = tiny_experiment.get_config()
     config.train.num_steps, config.train.repeat_dataset = 10, False  # 16 batches, counted.
+    config.jit_compile = True  # Named in the line: "tracing and XLA".
     trainer = UncountedTinyTrainer(config, str(tmp_path))
     compiled_loop, lengths = trainer.train_loop, []
 

@@ -139,7 +139,7 @@ def test_xla_is_as_configured_measured_with_one_replica_and_off_with_two(jit_com
 
 
 def test_a_short_default_run_compiles_with_xla_on_one_device_and_without_on_two(tmp_path):
-    one = make_trainer(tmp_path / "one")
+    one = make_trainer(tmp_path / "one", **{"precision.policy": "float32"})  # No rule keeps XLA out.
     two = make_trainer(tmp_path / "two", distribution="mirrored")
     assert one.jit_compile is None and not two.jit_compile
     one.train()
