@@ -10,9 +10,12 @@ import subprocess
 
 import cli_runs
 import pytest
+import tensorflow as tf
 import tiny_experiment
 
 from cli_runs import TINY_CONFIG
+
+import mixloop
 from mixloop.errors import UserError
 from mixloop.runner import reporting
 
@@ -103,6 +106,34 @@ def test_a_disk_full_at_a_summary_write_is_one_line_and_the_checkpoints_stay(mou
     assert cli_runs.checkpoint_steps(workdir) == [20, 40]
 
 
+class SummarizingTrainer(tiny_experiment.TinyTrainer):
+    """Its action writes 500 summaries of its own every 10 updates, after filling `self.disk`."""
+
+    disk = None
+
+    def actions(self):
+        def summarize(step):
+            fill(self.disk)
+            for i in range(500):  # More than the page the events file has left.
+                tf.summary.scalar(f"sample/{i}", 0.0, step=step)
+
+        return [mixloop.Action(summarize, every_steps=10)]
+
+
+def test_an_actions_own_summaries_on_a_full_disk_are_the_workdirs_line_not_the_actions(
+        mount_tmpfs):
+    disk = mount_tmpfs("size=2m")
+    workdir = disk / "run"
+    config = make_trainer(workdir, 20).config
+    trainer = SummarizingTrainer(config, str(workdir))
+    trainer.disk = disk
+    with pytest.raises(UserError) as raised:
+        trainer.train()
+    assert str(raised.value) == (f"cannot write to the workdir {workdir}: No space left on device "
+                                 f"({workdir}/train); free some space or choose another --workdir")
+    assert not (workdir / ".lock").exists()
+
+
 @pytest.mark.slow
 def test_the_doctors_output_on_a_full_file_system_is_one_line(mount_tmpfs, tmp_path):
     """Three inodes: the root, the output folder and report.json; the events file finds none."""
@@ -112,6 +143,6 @@ def test_the_doctors_output_on_a_full_file_system_is_one_line(mount_tmpfs, tmp_p
 
     assert result.returncode == 2, result.stderr
     assert cli_runs.error_lines(result) == [
-        f"error: cannot write --output={output}: No space left on device; free some space or "
-        "choose another --output"]
+        f"error: cannot write --output={output}: No space left on device; its file system has no "
+        "free inodes (df -i): remove some files or choose another --output"]
     assert result.stderr.strip().splitlines()[-1].startswith("error:")

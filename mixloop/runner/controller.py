@@ -292,8 +292,9 @@ def _run_actions(trainer: Runnable, writer: reporting.MetricWriter, split: str, 
     none named as in `taken` or starting with a `reserved` tag).
 
     Raises:
-      UserError: when an action raises, naming it, the step and the checkpoint kept; or returns a
-        metric it may not (`returned_metrics`).
+      UserError: when an action raises, naming it, the step and the checkpoint kept (its
+        summaries failing on a full disk: the workdir's line); or returns a metric it may not
+        (`returned_metrics`).
     """
     metrics: dict[str, float] = {}
     if not due:
@@ -303,9 +304,10 @@ def _run_actions(trainer: Runnable, writer: reporting.MetricWriter, split: str, 
             stop.running = (action, step)
             try:
                 returned = action.fn(step)
-            except Exception as error:  # Research code: whatever it raises is its own bug.
-                raise UserError(f"action {action.describe()} failed at step {step}: "
-                                f"{errors.described(error)}; {_kept_checkpoint(trainer)}") from None
+            except Exception as error:  # Research code: whatever it raises is its own bug,
+                raise (writer.file_error(split, error)  # but for its summaries on a full disk.
+                       or UserError(f"action {action.describe()} failed at step {step}: "
+                                    f"{errors.described(error)}; {_kept_checkpoint(trainer)}")) from None
             finally:
                 stop.running = None
             metrics.update(returned_metrics(action, returned, step, [*taken, *metrics], reserved))

@@ -48,6 +48,16 @@ class MetricWriter:
         with self._writing(split):
             return tf.summary.create_file_writer(os.path.join(self._workdir, split))
 
+    def file_error(self, split: str, error: Exception) -> Optional[UserError]:
+        """The workdir's one line when `error` is TensorBoard failing to write `split`'s events
+        file (no space, no inode, no permission), or None: what an action's own summaries raise
+        is the disk's fault, not the action's."""
+        folder = os.path.join(self._workdir, split)
+        if (isinstance(error, (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError))
+                and folder in (error.message or "")):
+            return workdir.unusable_workdir(self._workdir, error, folder)
+        return None
+
     @contextlib.contextmanager
     def _writing(self, split: str) -> Iterator[None]:
         """TensorBoard's file errors in the block as the workdir's one line, naming `split`'s

@@ -63,7 +63,7 @@ def check_writable(directory: str) -> None:
         try:
             tempfile.TemporaryFile(dir=path).close()
         except OSError as error:
-            advice = (_making_room(path) if error.errno == errno.ENOSPC
+            advice = (making_room(path) if error.errno == errno.ENOSPC
                       else "make it writable, or choose another --workdir")
             raise UserError(f"cannot write to {path}, where mixloop keeps {holds}: "
                             f"{error.strerror}; {advice}") from None
@@ -174,7 +174,7 @@ def unusable_workdir(directory: str, error: Union[OSError, tf.errors.OpError],
     where = "" if path in (None, directory) else f" ({path})"
     full = (isinstance(error, tf.errors.ResourceExhaustedError)
             or getattr(error, "errno", None) == errno.ENOSPC)
-    advice = _making_room(existing) if full else "choose a --workdir you can write to"
+    advice = making_room(existing) if full else "choose a --workdir you can write to"
     return UnusableWorkdir(f"cannot write to the workdir {directory}: "
                            f"{error_reason(error)}{where}; {advice}")
 
@@ -188,15 +188,15 @@ def error_reason(error: Union[OSError, tf.errors.OpError]) -> str:
     return re.sub(r" \[Op:\w+\].*", "", reason)[:200] or type(error).__name__
 
 
-def _making_room(directory: str) -> str:
+def making_room(directory: str, place: str = "--workdir") -> str:
     """How to make room on the full file system of the existing `directory`: space, or files when
-    it has no free inode left (where `df -h` still shows space)."""
+    it has no free inode left (where `df -h` still shows space); else another `place`."""
     try:
         no_inodes = os.statvfs(directory).f_favail == 0
     except OSError:
         no_inodes = False
-    return ("its file system has no free inodes (df -i): remove some files or choose another "
-            "--workdir" if no_inodes else "free some space or choose another --workdir")
+    return (f"its file system has no free inodes (df -i): remove some files or choose another "
+            f"{place}" if no_inodes else f"free some space or choose another {place}")
 
 
 # The prefixes of the probes' temporary folders in a workdir (`scratch_folder`): the compile-mode

@@ -38,7 +38,7 @@ from mixloop.runner.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS
                                              DtypeRange, PrecisionReport, VariableReport,
                                              diagnose_objectives,
                                              write_json)
-from mixloop.runner.workdir import error_reason
+from mixloop.runner.workdir import error_reason, making_room, nearest_existing
 from mixloop.runner.trainer import Trainer  # Loaded already (auto_precision's controller uses it).
 
 _STEPS = flags.DEFINE_integer("steps", 4, "Train batches to diagnose.", lower_bound=1)
@@ -456,8 +456,8 @@ def main() -> None:
             try:
                 written = write_outputs(report, output_directory(report, _OUTPUT.value))
             except (OSError, tf.errors.ResourceExhaustedError) as error:  # The disk filled since.
-                raise UserError(f"cannot write --output={_OUTPUT.value}: "
-                                f"{error_reason(error)}; free some space or choose another "
-                                "--output") from None
+                raise UserError(f"cannot write --output={_OUTPUT.value}: {error_reason(error)}; "
+                                f"{making_room(nearest_existing(_OUTPUT.value), '--output')}"
+                                ) from None
             logging.info("Wrote %s", ", ".join(written))
 
