@@ -120,9 +120,12 @@ class GPT2BytesTrainer(CharLMTrainer):
             vocabulary_size=VOCAB_SIZE, num_layers=m.num_layers, num_heads=m.num_heads,
             hidden_dim=m.hidden_dim, intermediate_dim=m.intermediate_dim, dropout=m.dropout,
             max_sequence_length=seq_len)
+        # keras-hub's causal LM reads the logits from the token embedding in reverse, and rebuilds
+        # that tie when an export is loaded (a functional model calling the backbone's embedding
+        # itself would load as a second, empty embedding).
+        language_model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
         # The model takes the windows alone, as charlm's does, so charlm's data, eval and sampling
         # (which calls the model on byte windows) apply unchanged.
         tokens = keras.Input(shape=(seq_len,), dtype="int32", name="tokens")
-        sequence = backbone({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
-        logits = backbone.token_embedding(sequence, reverse=True)
+        logits = language_model({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
         return keras.Model(tokens, logits, name="gpt2_bytes")

@@ -50,7 +50,7 @@ def float32_bytes_per_parameter(config):
 def test_logits_are_the_tied_token_embedding(gpt2_bytes):
     config = gpt2_bytes.get_config("quick")
     model = gpt2_bytes.GPT2BytesTrainer.build_model(types.SimpleNamespace(config=config))
-    backbone = model.get_layer("gpt2_backbone")
+    backbone = model.get_layer("gpt2_causal_lm").backbone
     # No output projection of its own: the head reads the backbone's token embedding.
     assert model.count_params() == backbone.count_params()
     tokens = np.random.default_rng(0).integers(0, 256, (2, config.data.seq_len)).astype("int32")
@@ -60,6 +60,19 @@ def test_logits_are_the_tied_token_embedding(gpt2_bytes):
     sequence = backbone({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
     np.testing.assert_allclose(logits, keras.ops.matmul(sequence, keras.ops.transpose(embeddings)),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_the_saved_model_loads_with_its_tie_and_computes_the_same_logits(gpt2_bytes, tmp_path):
+    """What the run exports: the tied embedding loads once, shared (a functional model calling the
+    backbone's embedding itself loaded it a second time, empty: "expected 1 variables, but
+    received 0")."""
+    config = gpt2_bytes.get_config("quick")
+    model = gpt2_bytes.GPT2BytesTrainer.build_model(types.SimpleNamespace(config=config))
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    tokens = np.random.default_rng(0).integers(0, 256, (2, config.data.seq_len)).astype("int32")
+    np.testing.assert_array_equal(loaded(tokens), model(tokens))
+    assert loaded.count_params() == model.count_params()
 
 
 def test_unknown_variant_names_the_known_one(gpt2_bytes):
