@@ -384,6 +384,21 @@ def test_the_probe_compiles_no_mode_past_its_share_of_the_run(tmp_path, pinned_s
     assert compile_mode._over_budget(3.0, 2, 1000, {True: 0.3, False: 0.1}) is False  # 4.5 s < 5 s.
 
 
+@pytest.mark.parametrize("policy, first", [("mixed_bfloat16", "elementwise"),
+                                           ("mixed_float16", False)])
+def test_a_probe_with_room_for_one_mode_times_the_rules_first(tmp_path, pinned_speeds, monkeypatch,
+                                                              policy, first):
+    """Under a known rule a run whose budget holds one mode gets the rule's first: for bfloat16
+    XLA fusing the elementwise ops (the faster measured), for float16 graph mode (the lighter)."""
+    timed = pinned_speeds[1]
+    monkeypatch.setattr(compile_mode, "PROBE_SHARE", 1e-9)
+    monkeypatch.setattr(compile_mode, "_known_rule", KNOWN_RULE)
+    monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": "avx512_bf16"})
+    trainer = make_trainer(tmp_path, **{"precision.policy": policy})
+    trainer.train()
+    assert timed and set(timed) == {first} and trainer.jit_compile == first
+
+
 def test_a_bfloat16_probe_on_a_cpu_with_its_instructions_leaves_plain_xla_out(tmp_path, pinned_speeds,
                                                                               monkeypatch, caplog):
     timed = pinned_speeds[1]

@@ -215,7 +215,7 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
                      not mode, describe(not mode))
         _record(trainer, mode, measured_for)  # A resume keeps it, whatever the cache learns meanwhile.
         return False
-    modes = [mode for mode in MODES if not (mode is True and rule)]
+    modes = _modes_to_probe(trainer.policy.compute_dtype, rule)
     try:
         probe = measure(trainer, modes, run_updates=left, stop_requested=stop_requested)
     except interrupts.ProbeStopped:
@@ -282,6 +282,16 @@ def _known_rule(compute_dtype: Any) -> Optional[str]:
         return None
     return (f"a bfloat16 policy on a CPU with {' and '.join(f.upper() for f in found)} runs fastest "
             "on TensorFlow's kernels (XLA on a CPU does not use them)")
+
+
+def _modes_to_probe(compute_dtype: Any, rule: Optional[str]) -> list[Mode]:
+    """The modes the probe times, in order (within its budget a shorter run times only the first):
+    all three; where a known rule holds, plain XLA left out, and for bfloat16 XLA fusing the
+    elementwise ops first (charlm at width 512 on an AVX512_BF16 CPU, batch 64: 99.3 examples/s
+    against 87.9 in graph mode; float16 keeps graph mode first, its lighter mode)."""
+    if not rule:
+        return list(MODES)
+    return [ELEMENTWISE, False] if tf.as_dtype(compute_dtype) == tf.bfloat16 else [False, ELEMENTWISE]
 
 
 def _over_budget(elapsed: float, num_measured: int, run_updates: int,
