@@ -15,7 +15,7 @@ its next boundary (`ProbeStopped`).
 import os
 import signal
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 # The commands whose signals end them in one line, and when a signal comes for each.
 COMMANDS = {"mixloop.train": "before training started",
@@ -44,6 +44,12 @@ def exit_quietly_while_starting() -> None:
         handler = _QuietExit(COMMANDS[command])
         for signal_number in _DEFAULT_HANDLERS:
             signal.signal(signal_number, handler)
+
+
+def disarmed(signal_number: int, handler: Any) -> Any:
+    """`handler` for `signal_number`, or Python's own handler where it is this module's: what a
+    handler taking over from the startup's puts back when it is done."""
+    return _DEFAULT_HANDLERS[signal_number] if isinstance(handler, _QuietExit) else handler
 
 
 def disarm() -> None:
@@ -83,7 +89,8 @@ class _QuietExit:
 
 def unwind_from_here() -> None:
     """From here a signal raises SystemExit, so that the work's cleanup runs (a tool's temporary
-    folders, its child processes) rather than ending the process at once."""
+    folders, its child processes) rather than ending the process at once. Called once the
+    tool's trainer is built: the imports, where a raised SystemExit can be lost, are done."""
     for signal_number in _DEFAULT_HANDLERS:
         handler = signal.getsignal(signal_number)
         if isinstance(handler, _QuietExit):

@@ -190,3 +190,23 @@ def test_a_signal_inside_a_weakref_callback_still_ends_the_startup(tmp_path):
     assert (result.returncode, result.stdout) == (128 + signal.SIGINT, "")
     assert result.stderr == ("error: interrupted by SIGINT before training started; nothing was "
                              "written\n")
+
+
+def test_the_training_loop_takes_the_signals_over_with_no_moment_of_pythons_defaults(
+        quiet_handlers, monkeypatch):
+    """Python's defaults between the startup's handlers and the loop's would let a SIGTERM kill
+    the process with no line; after the loop, Python's own handlers are back, not the startup's."""
+    from mixloop.runner import controller
+
+    installed = []
+    real_signal = signal.signal
+
+    def recording_signal(number, handler):
+        installed.append((number, handler))
+        return real_signal(number, handler)
+
+    monkeypatch.setattr(signal, "signal", recording_signal)
+    with controller._StopRequest() as stop:
+        assert installed == [(number, stop._request) for number in (signal.SIGINT, signal.SIGTERM)]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -217,13 +217,17 @@ def test_a_short_run_takes_xla_unprobed_and_several_replicas_graph_mode(tmp_path
     assert mirrored.jit_compile is False  # Decided at construction: XLA does not compile replicas.
 
 
-@pytest.mark.parametrize("failing_mode, error, chosen", [
-    (True, tf.errors.UnimplementedError(None, None, "no XLA kernel for this op"), False),
-    (True, tf.errors.ResourceExhaustedError(None, None, "out of memory"), False),
+@pytest.mark.parametrize("policy, failing_mode, error, chosen", [
+    ("float32", True, tf.errors.UnimplementedError(None, None, "no XLA kernel for this op"), False),
+    ("float32", True, tf.errors.ResourceExhaustedError(None, None, "out of memory"), False),
     # An error of the data: the run meets it in the mode that reports it, and says it in one line.
-    (False, tf.errors.InvalidArgumentError(None, None, "indices[3] = 7 is not in [0, 3)"), False),
+    ("float32", False, tf.errors.InvalidArgumentError(None, None, "indices[3] = 7 is not in [0, 3)"),
+     False),
+    # Graph mode out of memory under the float16 rule: not the heavier XLA the rule leaves out.
+    ("mixed_float16", False, tf.errors.ResourceExhaustedError(None, None, "out of memory"),
+     "elementwise"),
 ])
-def test_a_mode_that_fails_in_the_probe(tmp_path, monkeypatch, failing_mode, error, chosen):
+def test_a_mode_that_fails_in_the_probe(tmp_path, monkeypatch, policy, failing_mode, error, chosen):
     monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
     monkeypatch.setattr(compile_mode, "PROBE_SHARE", math.inf)  # Every mode, however short the run.
     real = compile_mode.seconds_of_loop
@@ -234,9 +238,9 @@ def test_a_mode_that_fails_in_the_probe(tmp_path, monkeypatch, failing_mode, err
         return real(trainer, num_updates)
 
     monkeypatch.setattr(compile_mode, "seconds_of_loop", failing)
-    trainer = make_trainer(tmp_path, **{"precision.policy": "float32"})  # XLA probed too: no rule.
+    trainer = make_trainer(tmp_path, **{"precision.policy": policy})
     trainer.train()
-    assert trainer.jit_compile is chosen and int(trainer.global_step.numpy()) == 20
+    assert trainer.jit_compile == chosen and type(trainer.jit_compile) is type(chosen) and int(trainer.global_step.numpy()) == 20
     assert resolved(tmp_path) == {}  # Nothing measured, nothing recorded.
 
 

@@ -224,8 +224,8 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
         return False
     except tf.errors.OpError as error:
         failed = trainer.jit_compile
-        chosen = ((failed is False) if isinstance(error, (tf.errors.UnimplementedError,
-                                                          tf.errors.ResourceExhaustedError))
+        chosen = (_fallback(failed, modes) if isinstance(error, (tf.errors.UnimplementedError,
+                                                                 tf.errors.ResourceExhaustedError))
                   else failed)
         trainer.set_jit_compile(chosen)
         logging.warning("Train step %s: jit_compile=auto could not time it %s: %s", describe(chosen),
@@ -292,6 +292,13 @@ def _modes_to_probe(compute_dtype: Any, rule: Optional[str]) -> list[Mode]:
     if not rule:
         return list(MODES)
     return [ELEMENTWISE, False] if tf.as_dtype(compute_dtype) == tf.bfloat16 else [False, ELEMENTWISE]
+
+
+def _fallback(failed: Mode, modes: Sequence[Mode]) -> Mode:
+    """The mode a run takes when `failed` had no kernel or memory in the probe: graph mode, or
+    where graph mode failed the other of `modes` first (XLA, or where a rule leaves XLA out,
+    XLA fusing the elementwise ops)."""
+    return False if failed is not False else next(mode for mode in modes if mode is not False)
 
 
 def _over_budget(elapsed: float, num_measured: int, run_updates: int,

@@ -117,11 +117,14 @@ class _StopRequest:
         self._previous = {}
 
     def __enter__(self) -> "_StopRequest":
-        interrupts.disarm()  # From here a signal stops the run at a checkpoint, not its startup.
+        # From here a signal stops the run at a checkpoint, not its startup. Straight from the
+        # startup's handlers to these: Python's defaults in between would let a SIGTERM kill.
         try:
-            self._previous = {sig: signal.signal(sig, self._request) for sig in _STOP_SIGNALS}
+            self._previous = {sig: interrupts.disarmed(sig, signal.signal(sig, self._request))
+                              for sig in _STOP_SIGNALS}
         except ValueError:  # Not the main thread: signals stay with their owner.
             self._previous = {}
+            interrupts.disarm()
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -781,6 +781,7 @@ def benchmark(config: ml_collections.ConfigDict, *, repeats: int, quick: bool) -
     mixloop_configs(config)  # Before anything is built: a variant may not fit.
     with tempfile.TemporaryDirectory() as workdir:
         trainer = cli.build_trainer(config, workdir)
+        interrupts.unwind_from_here()  # Built, imports done: the work's cleanup runs on a signal.
         if trainer.strategy.num_replicas_in_sync != 1:
             raise UserError(f"the benchmark times one device, but config.distribution="
                             f"{config.distribution!r} gives {trainer.strategy.num_replicas_in_sync} "
@@ -827,7 +828,6 @@ def define_flags() -> None:
 
 
 def main() -> None:
-    interrupts.unwind_from_here()  # Its temporary folders and child processes are cleaned up.
     config, _ = cli.experiment_from_flags()
     options = flags.FLAGS
     # fit's `shuffle` defaults to True, which a tf.data.Dataset ignores, with a warning.

@@ -443,11 +443,11 @@ def output_directory(report: PrecisionReport, output: str) -> str:
 
 
 def main() -> None:
-    interrupts.unwind_from_here()  # Its temporary folders and child processes are cleaned up.
     config, workdir = cli.experiment_from_flags()
     if _OUTPUT.value:
         cli.check_output(_OUTPUT.value, folder=True)  # Before the work, not after it.
     trainer = restored_trainer(config, workdir)
+    interrupts.unwind_from_here()  # Built, imports done: the work's cleanup runs on a signal.
     reports = diagnose_trainer(trainer, _STEPS.value, _LOSS_SCALE.value, _OBJECTIVE.value)
     memory_text = format_memory(memory.persistent_state(trainer), memory.lighter_options(trainer))
     print("\n\n".join([*(format_report(report) for report in reports), memory_text]))
