@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -42,7 +43,7 @@ def pinned_speeds(monkeypatch):
     modes timed."""
     monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
     monkeypatch.setattr(compile_mode, "PROBE_SHARE", math.inf)  # Every mode, however short the run.
-    monkeypatch.setattr(compile_mode, "_known_rule", lambda compute_dtype: None)  # No rule.
+    monkeypatch.setattr(compile_mode, "_known_rule", lambda compute_dtype, model: None)  # No rule.
     seconds, timed = {True: 1.0, False: 1.0, "elementwise": 10.0}, []
 
     def seconds_of_loop(trainer, num_updates):
@@ -418,6 +419,17 @@ def test_a_bfloat16_probe_on_a_cpu_with_its_instructions_leaves_plain_xla_out(tm
     probe, extra = map(float, re.search(r"probe: ([\d.]+) s, ([\d.]+) s more than compiling the "
                                         r"loop the run keeps", line).groups())
     assert 0 < extra < probe
+
+
+def test_the_float16_rule_leaves_a_model_with_convolutions_to_xla():
+    """TensorFlow's float16 convolutions on a CPU are slow: such a model may still take XLA."""
+    dense = keras.Sequential([keras.Input((8, 3)), keras.layers.Dense(4)])
+    nested = keras.Sequential([keras.Input((8, 3)),
+                               keras.Sequential([keras.layers.SeparableConv1D(4, 3)])])
+    assert "a float16 policy on a CPU, for a model without convolutions" in KNOWN_RULE("float16",
+                                                                                       dense)
+    assert KNOWN_RULE("float16", nested) is None
+    assert KNOWN_RULE("float32", dense) is None
 
 
 def test_a_cached_xla_choice_that_a_known_rule_leaves_out_is_measured_again(tmp_path, pinned_speeds,

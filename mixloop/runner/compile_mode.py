@@ -18,10 +18,10 @@ but the gradient reductions, `CLUSTERED_OPS`, turned on for the train loop's cal
         (unless it is plain XLA and a known rule now leaves that out)
     fewer than MIN_PROBED_UPDATES updates left, `deterministic=True`, or a train iterator a
         checkpoint cannot hold (a Python generator): with XLA, or graph mode where a known rule
-        holds (`_known_rule`: bfloat16 on a CPU with its instructions, float16 on any CPU), no
-        probe (compiling and timing all modes would cost a large share of so short a run; a
-        deterministic run must not depend on a timing; the data position could not be put back;
-        XLA was the default before "auto")
+        holds (`_known_rule`: bfloat16 on a CPU with its instructions, float16 on a CPU for a
+        model without convolutions), no probe (compiling and timing all modes would cost a large
+        share of so short a run; a deterministic run must not depend on a timing; the data
+        position could not be put back; XLA was the default before "auto")
     otherwise, the probe, before the first real update:
         save everything a checkpoint holds (weights, optimizer, scales, counters, the data position)
             to a temporary folder in the workdir
@@ -56,6 +56,7 @@ import statistics
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
+import keras
 import tensorflow as tf
 from absl import logging
 from tensorflow.core.protobuf import config_pb2
@@ -63,6 +64,7 @@ from tensorflow.python.eager import context
 
 from mixloop import interrupts
 from mixloop.config import ELEMENTWISE, ConfigError
+from mixloop.engine.layer_precision import named_layers
 from mixloop.runner import compile_cache, controller, workdir
 
 KEY = "jit_compile"  # Its config key, and its key in config.json's `resolved` record,
@@ -195,7 +197,7 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
                     else "a run whose data position a checkpoint cannot hold")
     cache_key = compile_cache.key_of(compile_cache.setup(trainer))
     cached = None if unmeasurable else compile_cache.lookup(cache_key)
-    rule = _known_rule(trainer.policy.compute_dtype)
+    rule = _known_rule(trainer.policy.compute_dtype, trainer.model)
     if cached is not None and is_mode(cached["mode"]) and not (cached["mode"] is True and rule):
         trainer.set_jit_compile(cached["mode"])
         logging.info("Train step %s: jit_compile=auto, as measured for this setup on this machine "
@@ -258,22 +260,26 @@ def _record(trainer, mode: Mode, measured_for: dict[str, Any]) -> None:
         workdir.record_resolved(trainer.workdir, {KEY: mode, MEASURED_FOR_KEY: measured_for})
 
 
-def _known_rule(compute_dtype: Any) -> Optional[str]:
+def _known_rule(compute_dtype: Any, model: keras.Model) -> Optional[str]:
     """Why graph mode wins unmeasured over plain XLA, or None; on a CPU (no GPU):
 
     - a bfloat16 policy where the flags have AVX512_BF16 or AMX, whose bfloat16 matrix products
       only TensorFlow's own kernels use (XLA on a CPU does not: plain XLA measured the slowest mode
       there, charlm at width 512 18.2 examples/s against 27.6 in graph mode);
-    - a float16 policy anywhere: the memory TensorFlow's kernels keep from the precision probe's
-      passes is reused by a loop in graph mode, while XLA's buffers come on top of it (charlm at
-      width 512: 1.43x float32's peak with XLA, 0.97x in graph mode; digits 1.04x and 0.84x), and
-      XLA on a CPU has no float16 arithmetic to gain speed from.
+    - a float16 policy for a model without convolutions: the memory TensorFlow's kernels keep from
+      the precision probe's passes is reused by a loop in graph mode, while XLA's buffers come on
+      top of it (charlm at width 512: 1.43x float32's peak with XLA, 0.94x in graph mode), and XLA
+      on a CPU has no float16 arithmetic to gain speed from. TensorFlow's float16 convolutions on
+      a CPU are slow, so a model with them keeps XLA (digits: 331 steps/s, 228 in graph mode).
     """
     if tf.config.list_physical_devices("GPU"):
         return None
     if tf.as_dtype(compute_dtype) == tf.float16:
-        return ("a float16 policy on a CPU stays lighter than float32 in graph mode (XLA's buffers "
-                "come on top of the memory the precision probe leaves)")
+        if any(isinstance(layer, _CONVOLUTIONS) for layer in named_layers(model).values()):
+            return None
+        return ("a float16 policy on a CPU, for a model without convolutions, stays lighter than "
+                "float32 in graph mode (XLA's buffers come on top of the memory the precision "
+                "probe leaves)")
     if tf.as_dtype(compute_dtype) != tf.bfloat16:
         return None
     flags = set(compile_cache.cpu()["flags"].split())
@@ -282,6 +288,14 @@ def _known_rule(compute_dtype: Any) -> Optional[str]:
         return None
     return (f"a bfloat16 policy on a CPU with {' and '.join(f.upper() for f in found)} runs fastest "
             "on TensorFlow's kernels (XLA on a CPU does not use them)")
+
+
+# Keras's convolution layers, transposed, depthwise and separable ones included.
+_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
+                 keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+                 keras.layers.Conv3DTranspose, keras.layers.DepthwiseConv1D,
+                 keras.layers.DepthwiseConv2D, keras.layers.SeparableConv1D,
+                 keras.layers.SeparableConv2D)
 
 
 def _modes_to_probe(compute_dtype: Any, rule: Optional[str]) -> list[Mode]:
