@@ -9,7 +9,8 @@ with its own (checkpoint, then a clean exit), before it writes anything into the
 command disarms them when its work is done. The tools write their files (--output) last, so an
 interrupted one has written nothing. A stop
 during a probe at the start of a run (the precision placement, the compile mode) ends the probe at
-its next boundary (`ProbeStopped`).
+its next boundary (`ProbeStopped`); in a command, one during the compile-mode probe's compilation
+ends the process at once, nothing saved (`ProbeAbandoned`).
 """
 
 import os
@@ -22,6 +23,7 @@ COMMANDS = {"mixloop.train": "before training started",
             "mixloop.diagnose": "before the diagnosis finished",
             "mixloop.benchmark": "before the benchmark finished"}
 _DEFAULT_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+_command: Optional[str] = None  # The command of COMMANDS this process runs, once armed.
 
 
 def starting_command() -> Optional[str]:
@@ -39,11 +41,19 @@ def starting_command() -> Optional[str]:
 
 def exit_quietly_while_starting() -> None:
     """Arms the one-line exit on SIGINT and SIGTERM when this process is starting a command."""
+    global _command
     command = starting_command()
     if command is not None:
+        _command = command
         handler = _QuietExit(COMMANDS[command])
         for signal_number in _DEFAULT_HANDLERS:
             signal.signal(signal_number, handler)
+
+
+def running_a_command() -> bool:
+    """Whether this process is one of `COMMANDS`, which may end itself (not a script or a notebook
+    that imported mixloop)."""
+    return _command is not None
 
 
 def disarmed(signal_number: int, handler: Any) -> Any:
@@ -114,3 +124,18 @@ def check_stop(stop_requested: Callable[[], bool]) -> None:
     """Where a probe may give up: raises `ProbeStopped` once `stop_requested()`."""
     if stop_requested():
         raise ProbeStopped()
+
+
+class ProbeAbandoned(Exception):
+    """A stop came while the compile-mode probe of a command compiled a loop in a thread of its own
+    (seconds in C++, where no signal handler runs), which goes on: the command ends at once
+    (`end_process`), saving nothing, as the probe started from the latest checkpoint or from the
+    run's seed and nothing it did is kept."""
+
+
+def end_process(status: int) -> None:
+    """Ends this command with `status` at once, its output flushed: a thread still compiling in
+    C++ would hold up an ordinary exit, and could crash TensorFlow's teardown."""
+    _flush_quietly(sys.stdout)
+    _flush_quietly(sys.stderr)
+    os._exit(status)

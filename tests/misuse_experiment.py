@@ -6,8 +6,9 @@ the one-line errors they must give.
 loss reads: with train.batch_loss the two passes must refuse it), "policy_string" (`forward`
 given the policy as a string), "no_training" (`forward` without `training=`), "unrelated_input"
 (`input_gradients` of a function that ignores its input), "integer_inputs" (`input_gradients`
-with respect to the labels), "dict_fn" (a function returning a dict) or "zero_scale"
-(`input_gradients(..., scale=0)`).
+with respect to the labels), "dict_fn" (a function returning a dict), "zero_scale"
+(`input_gradients(..., scale=0)`), or in `build_optimizer` "no_optimizer" (returns None) and
+"optimizer_name" (returns the string "adam").
 """
 
 import keras
@@ -26,6 +27,11 @@ class MisuseTrainer(tiny_experiment.TinyTrainer):
             return model
         mean = keras.layers.Lambda(lambda z: tf.reduce_mean(z, 0), name="mean")(model.outputs[0])
         return keras.Model(model.inputs, {"logits": model.outputs[0], "mean": mean})
+
+    def build_optimizer(self):
+        wrong = {"no_optimizer": None, "optimizer_name": "adam"}
+        misuse = self.config.model.misuse
+        return wrong[misuse] if misuse in wrong else super().build_optimizer()
 
     def compute_loss(self, outputs, batch):
         misuse = self.config.model.misuse

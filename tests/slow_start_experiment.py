@@ -3,16 +3,21 @@
 For the tests of Ctrl-C and SIGTERM before training starts (tests/test_train_cli.py). The `probe`
 variant builds its model at once and waits in the precision probe instead, when the probe builds
 its float32 twin (build_model's second call): a stop during the probe
-(tests/test_auto_precision.py).
+(tests/test_auto_precision.py). The `trace` variant waits while the compile-mode probe traces
+its loss, as a long compilation does: a stop during that probe (tests/test_compile_mode.py).
 """
 
+import glob
+import os
 import sys
 import time
 
+import tensorflow as tf
 import tiny_experiment
 
 BUILDING = "slow_start_experiment: building the model"  # The line the tests wait for.
 BUILDING_TWIN = "slow_start_experiment: building the probe's float32 twin"  # The probe's.
+TRACING = "slow_start_experiment: tracing the loss"  # The line the compile-mode probe's test waits for.
 TWIN_SECONDS = 3  # Long enough for the test's signal to come while the twin is built.
 
 
@@ -35,8 +40,20 @@ class SlowProbeTrainer(tiny_experiment.TinyTrainer):
         return super().build_model()
 
 
+class SlowTraceTrainer(tiny_experiment.TinyTrainer):
+    def compute_loss(self, outputs, batch):
+        # Traced by the compile-mode probe (its folder is there): a minute, in short sleeps.
+        if tf.inside_function() and glob.glob(os.path.join(self.workdir, ".compile-probe-*")):
+            print(TRACING, file=sys.stderr, flush=True)
+            for _ in range(600):
+                time.sleep(0.1)
+        return super().compute_loss(outputs, batch)
+
+
+TRAINERS = {"probe": "SlowProbeTrainer", "trace": "SlowTraceTrainer"}
+
+
 def get_config(arg=None):
-    config = tiny_experiment.get_config(arg)
-    config.trainer = ("slow_start_experiment.SlowProbeTrainer" if arg == "probe"
-                      else "slow_start_experiment.SlowStartTrainer")
+    config = tiny_experiment.get_config(None if arg in TRAINERS else arg)
+    config.trainer = f"slow_start_experiment.{TRAINERS.get(arg, 'SlowStartTrainer')}"
     return config

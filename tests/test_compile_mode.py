@@ -2,6 +2,7 @@
 leaves exactly as a run configured in the chosen mode."""
 
 import collections
+import glob
 import json
 import logging
 import math
@@ -10,11 +11,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import cli_runs
+import slow_start_experiment
 import tiny_experiment
 from tensorflow.python.eager import context
 
@@ -454,6 +458,34 @@ def test_the_probe_costs_the_run_all_but_the_compilation_of_the_loop_it_keeps():
     probe = compile_mode.Probe({True: 100.0, False: 80.0}, seconds=10.0,
                                compile_seconds={True: 7.0, False: 2.0})
     assert probe.extra_seconds(True) == 3.0 and probe.extra_seconds(False) == 8.0
+
+
+@pytest.mark.slow
+def test_a_stop_while_the_probe_compiles_ends_the_command_within_seconds(tmp_path):
+    """The loss takes a minute to trace (slow_start_experiment's `trace` variant), as a long
+    compilation does; SIGTERM comes then. The command ends within seconds, nothing written but
+    its config (the campaign's case: 5-16 s later, once the compilation in C++ was done)."""
+    process = cli_runs.start(
+        "mixloop.train", f"--config={slow_start_experiment.__file__}:trace", f"--workdir={tmp_path}",
+        "--config.precision.policy=float32", "--config.jit_compile=auto",
+        "--config.train.num_steps=300")  # Long enough to be probed.
+    try:
+        while (line := process.stderr.readline()) and slow_start_experiment.TRACING not in line:
+            pass
+        assert glob.glob(str(tmp_path / ".compile-probe-*")), "not in the compile-mode probe"
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        stderr = process.communicate(timeout=30)[1]
+        seconds = time.monotonic() - signalled
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert seconds < 5, seconds
+    assert ("Stopped by SIGTERM during the compile-mode probe at step 0, which kept nothing: "
+            "nothing to save, as a new start repeats this one. Run the same command to resume."
+            in stderr)
+    assert "Traceback" not in stderr
+    assert os.listdir(tmp_path) == ["config.json"]  # No checkpoint, probe folder or lock.
 
 
 def test_a_stop_during_the_probe_ends_it_at_its_next_loop_and_the_run_saves(tmp_path, pinned_speeds,

@@ -53,6 +53,9 @@ def fill(directory):
                 return
 
 
+FLOAT32_GRAPH = ("--config.precision.policy=float32", "--config.jit_compile=False")  # No probe.
+
+
 def make_trainer(workdir, num_steps):
     config = tiny_experiment.get_config()
     config.precision.policy = "float32"  # No probe: the summaries alone.
@@ -67,7 +70,7 @@ def test_one_inode_left_for_the_events_file_is_one_line(mount_tmpfs):
     the events file in it finds none (the campaign's case: a ResourceExhaustedError traceback)."""
     workdir = mount_tmpfs("size=5m,nr_inodes=5") / "run"
     result = cli_runs.run("mixloop.train", f"--config={TINY_CONFIG}", f"--workdir={workdir}",
-                          "--config.precision.policy=float32", "--config.jit_compile=False")
+                          *FLOAT32_GRAPH)
 
     assert result.returncode == 2, result.stderr
     assert cli_runs.error_lines(result) == [
@@ -75,6 +78,50 @@ def test_one_inode_left_for_the_events_file_is_one_line(mount_tmpfs):
         "its file system has no free inodes (df -i): remove some files or choose another --workdir"]
     assert result.stderr.strip().splitlines()[-1].startswith("error:")  # No traceback after it.
     assert sorted(os.listdir(workdir)) == ["config.json", "train"]  # The lock released.
+
+
+@pytest.mark.slow
+def test_a_changed_config_on_a_full_disk_is_one_line_and_config_json_stays(mount_tmpfs):
+    """A resume with a changed config where one page is left, which the lock takes: the new
+    config.json cannot be written (the campaign's case: a traceback, and the old config.json moved
+    away with no new one in its place)."""
+    disk = mount_tmpfs("size=5m")
+    workdir = disk / "run"
+    args = (f"--config={TINY_CONFIG}", f"--workdir={workdir}", *FLOAT32_GRAPH)
+    assert cli_runs.run("mixloop.train", *args, "--config.train.num_steps=20").returncode == 0
+    before = cli_runs.snapshot(workdir)
+    fill(disk)
+    os.truncate(disk / "filler", os.path.getsize(disk / "filler") - os.statvfs(disk).f_bsize)
+
+    result = cli_runs.run("mixloop.train", *args, "--config.train.num_steps=40")
+    assert result.returncode == 2, result.stderr
+    assert cli_runs.error_lines(result) == [
+        f"error: cannot write to the workdir {workdir}: No space left on device "
+        f"({workdir}/config.json); free some space or choose another --workdir"]
+    assert cli_runs.snapshot(workdir) == before  # config.json as it was; no copy, no .tmp, no lock.
+
+    os.remove(disk / "filler")
+    assert cli_runs.run("mixloop.train", *args, "--config.train.num_steps=40").returncode == 0
+    assert sorted(path.name for path in workdir.glob("config*.json")) == [
+        "config-step-20.json", "config.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inodes, jit_compile, written", [
+    (3, "False", "config.json"),  # The root, the workdir and the lock: config.json finds none.
+    (4, "auto", "config.json"),  # config.json written; the compile mode's record finds none.
+])
+def test_no_inode_for_the_config_record_is_one_line(mount_tmpfs, inodes, jit_compile, written):
+    workdir = mount_tmpfs(f"size=5m,nr_inodes={inodes}") / "run"
+    result = cli_runs.run("mixloop.train", f"--config={TINY_CONFIG}", f"--workdir={workdir}",
+                          "--config.precision.policy=float32", f"--config.jit_compile={jit_compile}")
+    assert result.returncode == 2, result.stderr
+    assert cli_runs.error_lines(result) == [
+        f"error: cannot write to the workdir {workdir}: No space left on device "
+        f"({workdir}/{written}); its file system has no free inodes (df -i): remove some files or "
+        "choose another --workdir"]
+    assert result.stderr.strip().splitlines()[-1].startswith("error:")  # No traceback after it.
+    assert sorted(os.listdir(workdir)) == ([] if inodes == 3 else ["config.json"])  # Lock released.
 
 
 def test_a_disk_full_at_a_summary_write_is_one_line_and_the_checkpoints_stay(mount_tmpfs,

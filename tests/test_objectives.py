@@ -329,6 +329,8 @@ def test_objectives_that_would_fail_deep_in_keras_are_one_line():
         lambda layers: {"a": mixloop.Objective(layers["a"], sgd), "b": mixloop.Objective(layers["b"], sgd)})
     assert "returned no objective" in one_line_error(lambda layers: {})
     assert "not a mixloop.Objective" in one_line_error(lambda layers: {"a": layers["a"]})
+    assert "has optimizer=None, not a Keras optimizer" in one_line_error(
+        lambda layers: {"a": mixloop.Objective(layers["a"], None)})
 
 
 def test_a_dict_from_a_single_objective_loss_is_one_line():

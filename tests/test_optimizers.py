@@ -60,6 +60,11 @@ def test_an_objective_every_5_steps_gets_its_schedule_over_its_own_updates():
         assert float(every_5.learning_rate) == pytest.approx(expected, abs=1e-6)
 
 
+def with_name(config, name):
+    config.optimizer.name = name
+    return config
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda config: mixloop.build_optimizer(config, every_steps=0), ValueError,
      "mixloop.build_optimizer: every_steps=0 is not allowed: a positive integer, the every_steps "
@@ -70,7 +75,10 @@ def test_an_objective_every_5_steps_gets_its_schedule_over_its_own_updates():
     (lambda config: mixloop.build_optimizer(None), TypeError,
      "mixloop.build_optimizer: config is a NoneType; pass the run's whole config (self.config), "
      "whose optimizer section it reads with train.num_steps"),
-], ids=["every_steps=0", "the optimizer section", "None"])
+    (lambda config: mixloop.build_optimizer(with_name(config, "bogus")), ValueError,
+     "mixloop.build_optimizer: config.optimizer.name='bogus' is not one it builds: 'sgd', "
+     "'momentum', 'adam', 'adamw'"),
+], ids=["every_steps=0", "the optimizer section", "None", "an unknown name"])
 def test_build_optimizer_refuses_what_it_cannot_read_in_one_line(call, error, message):
     with pytest.raises(error) as raised:
         call(base_config())

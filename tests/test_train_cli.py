@@ -458,6 +458,19 @@ def test_a_public_helper_misused_in_a_traced_loss_is_one_line(tmp_path, misuse, 
     assert not (tmp_path / ".lock").exists() and not checkpoint_steps(tmp_path)
 
 
+@pytest.mark.parametrize("misuse, returned", [("no_optimizer", "None"), ("optimizer_name", "'adam'")])
+def test_a_build_optimizer_returning_no_optimizer_is_one_line(tmp_path, misuse, returned):
+    result = run_cli(f"--config={MISUSE_CONFIG}", f"--config.model.misuse={misuse}",
+                     f"--workdir={tmp_path}")
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert error_lines(result) == [
+        f"error: objective 'model' has optimizer={returned}, not a Keras optimizer; "
+        "build_optimizer() (or the Objective) must return one, e.g. "
+        "mixloop.build_optimizer(self.config)"], result.stderr
+    assert not (tmp_path / ".lock").exists()
+
+
 def test_an_output_that_is_not_batch_shaped_under_batch_loss_is_one_line(tmp_path):
     """A batch mean of the logits ([3]) would reach the loss of 2 micro-batches joined ([6])."""
     result = run_cli(f"--config={MISUSE_CONFIG}", "--config.model.misuse=batch_mean",

@@ -85,7 +85,8 @@ def check_objectives(objectives: Mapping[str, Objective]) -> None:
 
     Raises:
       UserError: for no objective, a name that is not an identifier (names become TensorBoard tags
-        and variable names), something that is not an `Objective`, one optimizer in two, an
+        and variable names), something that is not an `Objective`, an optimizer that is not a
+        Keras optimizer, one optimizer in two, an
         objective with no trainable variable, a variable two objectives train, an
         `every_steps` that is not a whole number of at least 1, or an `after_update` that is not
         callable.
@@ -107,6 +108,10 @@ def check_objectives(objectives: Mapping[str, Objective]) -> None:
         if objective.after_update is not None and not callable(objective.after_update):
             raise UserError(f"objective {name!r} has after_update={objective.after_update!r}; it "
                             f"must be a function of no arguments (or None)")
+        if not isinstance(objective.optimizer, keras.optimizers.Optimizer):
+            raise UserError(f"objective {name!r} has optimizer={objective.optimizer!r}, not a Keras "
+                            f"optimizer; build_optimizer() (or the Objective) must return one, e.g. "
+                            f"mixloop.build_optimizer(self.config)")
         shared = optimizers.setdefault(id(objective.optimizer), name)
         if shared != name:
             raise UserError(f"objectives {shared!r} and {name!r} share one optimizer instance; give "

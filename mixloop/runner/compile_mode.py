@@ -53,6 +53,7 @@ import json
 import math
 import os
 import statistics
+import threading
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
@@ -76,6 +77,7 @@ MAX_PROBE_UPDATES = 20  # ...but no more updates than this.
 # The probe compiles no further mode once that would take it past this share of the run's time
 # (estimated from the fastest step timed so far); the modes left are not measured.
 PROBE_SHARE = 0.05
+STOP_POLL_SECONDS = 0.1  # How often the probe looks for a stop while a loop compiles.
 MODES = (True, False, ELEMENTWISE)
 Mode = Union[bool, str]
 JSON_NAMES = {True: "xla", False: "graph", ELEMENTWISE: "elementwise"}  # In the cache and the benchmark.
@@ -372,10 +374,12 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
 
     Raises:
       interrupts.ProbeStopped: at the first loop boundary after `stop_requested()` turned true.
+      interrupts.ProbeAbandoned: in a command, once `stop_requested()` during a compilation.
     """
     started = time.perf_counter()
     with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
         saved = _saved_state(trainer, directory)
+        abandoned = False
         try:
             seconds, compile_seconds = {}, {}
             for mode in modes:
@@ -384,9 +388,7 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
                     break
                 interrupts.check_stop(stop_requested)
                 trainer.set_jit_compile(mode)
-                compiling = time.perf_counter()
-                trainer.train_loop(1)  # Traces and compiles.
-                compile_seconds[mode] = time.perf_counter() - compiling
+                compile_seconds[mode] = _seconds_of_first_loop(trainer, stop_requested)
                 interrupts.check_stop(stop_requested)
                 seconds[mode] = seconds_of_loop(trainer, 1)
             # Per mode, about PROBE_SECONDS a loop: a mode 30x slower is timed on fewer updates.
@@ -403,11 +405,46 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
                     # A loop the guard ends early (a divergence) made fewer updates.
                     done = max(1, int(trainer.global_step.numpy()) - before)
                     rounds[mode].append(seconds_taken / done)
+        except interrupts.ProbeAbandoned:
+            abandoned = True  # A thread still runs the loop: the state is the process's to drop.
+            raise
         finally:
-            trainer.restore_state(saved)
+            if not abandoned:
+                trainer.restore_state(saved)
     batch_size = trainer.config.train.batch_size
     speeds = {mode: batch_size / statistics.median(values) for mode, values in rounds.items()}
     return Probe(speeds, time.perf_counter() - started, compile_seconds)
+
+
+def _seconds_of_first_loop(trainer, stop_requested: Callable[[], bool]) -> float:
+    """Seconds of the trainer's first loop in the mode set, one update: it traces and compiles.
+    In a command the loop runs in a thread of its own while this one watches `stop_requested()`:
+    compiling runs in C++ for seconds (charlm's quick run: 12 s), where no signal handler runs.
+
+    Raises:
+      interrupts.ProbeAbandoned: once `stop_requested()` while the loop runs (its thread goes on).
+    """
+    started = time.perf_counter()
+    if not interrupts.running_a_command():
+        trainer.train_loop(1)
+        return time.perf_counter() - started
+    failure = []
+
+    def first_loop() -> None:
+        try:
+            trainer.train_loop(1)
+        except BaseException as error:  # Raised again in the caller's thread.
+            failure.append(error)
+
+    thread = threading.Thread(target=first_loop, name="mixloop compile-mode probe", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(STOP_POLL_SECONDS)
+        if thread.is_alive() and stop_requested():
+            raise interrupts.ProbeAbandoned()
+    if failure:
+        raise failure[0]
+    return time.perf_counter() - started
 
 
 def seconds_of_loop(trainer, num_updates: int) -> float:

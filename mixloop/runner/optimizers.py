@@ -76,7 +76,8 @@ def build_optimizer(config: ml_collections.ConfigDict, *, every_steps: int = 1
     Raises:
       TypeError: when `config` is not the run's whole config (`self.config`; its `optimizer`
         section alone, or None).
-      ValueError: when `every_steps` is not a positive integer.
+      ValueError: when `config.optimizer.name` is not one of `_CLASSES`, or `every_steps` is not a
+        positive integer.
     """
     _check_arguments(config, every_steps)
     learning_rate = learning_rate_schedule(config.optimizer, max(config.train.num_steps // every_steps, 1))
@@ -102,6 +103,10 @@ def _check_arguments(config: object, every_steps: object) -> None:
                  and "learning_rate" in config else f"a {type(config).__name__}")
         raise TypeError(f"mixloop.build_optimizer: config is {given}; pass the run's whole config "
                         "(self.config), whose optimizer section it reads with train.num_steps")
+    if config.optimizer.get("name") not in _CLASSES:
+        raise ValueError(f"mixloop.build_optimizer: config.optimizer.name="
+                         f"{config.optimizer.get('name')!r} is not one it builds: "
+                         f"{', '.join(map(repr, _CLASSES))}")
     if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
         raise ValueError(f"mixloop.build_optimizer: every_steps={every_steps!r} is not allowed: a "
                          "positive integer, the every_steps of the objective it updates (1: every step)")

@@ -262,10 +262,16 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
     """Writes `config.json`; a different earlier one is kept as `config-step-<step>.json`.
 
     An unchanged config leaves the file as it is, with its `resolved` record; a changed one carries
-    the record over, since what the earlier probes chose still holds for the weights resumed.
+    the record over, since what the earlier probes chose still holds for the weights resumed. The
+    new file is written whole before the earlier one is kept under its new name (a link, not a
+    move), so a full disk leaves `config.json` as it was.
+
+    Raises:
+      UnusableWorkdir: when the workdir cannot be written (a full disk, no free inodes).
     """
     path = os.path.join(directory, "config.json")
     new = json.loads(config.to_json_best_effort())
+    kept = None
     if os.path.exists(path):
         old = _read_config(path)
         resolved = old.pop(RESOLVED, None)
@@ -277,10 +283,9 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
         while os.path.exists(kept):  # Changed twice at one step: keep both.
             n += 1
             kept = os.path.join(directory, f"config-step-{step}-{n}.json")
-        os.replace(path, kept)
         if resolved:
             new[RESOLVED] = resolved
-    _write_json(path, new)
+    _write_json(path, new, keep_as=kept)
 
 
 def read_resolved(directory: str) -> dict[str, Any]:
@@ -331,12 +336,29 @@ def _json_kind(value: Any) -> str:
             dict: "an object"}.get(type(value), "a number")
 
 
-def _write_json(path: str, value: Any) -> None:
-    """Writes `value` whole, then renames it into place: a kill leaves no half file."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+def _write_json(path: str, value: Any, keep_as: Optional[str] = None) -> None:
+    """Writes `value` whole, then renames it into place: a kill leaves no half file. With
+    `keep_as`, the file it replaces is copied to that name first.
+
+    Raises:
+      UnusableWorkdir: when a file cannot be written (the file it replaces is left as it was, and
+        no partial file stays).
+    """
+    temporary = path + ".tmp"
+    written = [temporary]
+    try:
+        with open(temporary, "w") as f:
+            json.dump(value, f, indent=2, sort_keys=True)
+            f.write("\n")
+        if keep_as is not None:
+            written.append(keep_as)
+            shutil.copy2(path, keep_as)
+        os.replace(temporary, path)
+    except OSError as error:
+        for partial in written:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+        raise unusable_workdir(os.path.dirname(path), error, path) from None
 
 
 def _read_config(path: str) -> dict[str, Any]:
