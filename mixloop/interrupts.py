@@ -9,21 +9,21 @@ with its own (checkpoint, then a clean exit), before it writes anything into the
 command disarms them when its work is done. The tools write their files (--output) last, so an
 interrupted one has written nothing. A stop
 during a probe at the start of a run (the precision placement, the compile mode) ends the probe at
-its next boundary (`ProbeStopped`); in a command, one during the compile-mode probe's compilation
-ends the process at once, nothing saved (`ProbeAbandoned`).
+its next boundary (`ProbeStopped`); in `python -m mixloop.train`, one during the compile-mode
+probe's compilation ends the process at once, nothing saved (`ProbeAbandoned`).
 """
 
 import os
 import signal
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 # The commands whose signals end them in one line, and when a signal comes for each.
 COMMANDS = {"mixloop.train": "before training started",
             "mixloop.diagnose": "before the diagnosis finished",
             "mixloop.benchmark": "before the benchmark finished"}
 _DEFAULT_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-_command: Optional[str] = None  # The command of COMMANDS this process runs, once armed.
+_in_a_command = False  # Whether this process runs one of COMMANDS (set when they are armed).
 
 
 def starting_command() -> Optional[str]:
@@ -41,10 +41,10 @@ def starting_command() -> Optional[str]:
 
 def exit_quietly_while_starting() -> None:
     """Arms the one-line exit on SIGINT and SIGTERM when this process is starting a command."""
-    global _command
+    global _in_a_command
     command = starting_command()
     if command is not None:
-        _command = command
+        _in_a_command = True
         handler = _QuietExit(COMMANDS[command])
         for signal_number in _DEFAULT_HANDLERS:
             signal.signal(signal_number, handler)
@@ -53,7 +53,7 @@ def exit_quietly_while_starting() -> None:
 def running_a_command() -> bool:
     """Whether this process is one of `COMMANDS`, which may end itself (not a script or a notebook
     that imported mixloop)."""
-    return _command is not None
+    return _in_a_command
 
 
 def disarmed(signal_number: int, handler: Any) -> Any:
@@ -133,7 +133,7 @@ class ProbeAbandoned(Exception):
     run's seed and nothing it did is kept."""
 
 
-def end_process(status: int) -> None:
+def end_process(status: int) -> NoReturn:
     """Ends this command with `status` at once, its output flushed: a thread still compiling in
     C++ would hold up an ordinary exit, and could crash TensorFlow's teardown."""
     _flush_quietly(sys.stdout)

@@ -1,8 +1,11 @@
 """Pins every Keras private name mixloop reads (mixloop/keras_adapter.py): each test fails loudly,
 naming the name, when a Keras release changes it."""
 
+import threading
+
 import keras
 import tensorflow as tf
+from keras.src.random import seed_generator
 
 from mixloop.engine import keras_adapter
 from mixloop.engine.layer_precision import building_under
@@ -109,3 +112,26 @@ def test_compact_optimizers_chain_their_updates_through_kerass_backend_update_st
     waiting = [op for op in graph.get_operations() if op.type == "ReadVariableOp" and op.control_inputs
                and any(c.type != "NoOp" for c in op.control_inputs)]
     assert waiting, "no variable's update waits for the previous one's"
+
+
+def test_another_thread_adopting_the_state_sees_the_same_global_policy_and_seed_generator():
+    """Keras keeps its global state per thread: the compile-mode probe's thread must trace with
+    the run's (an unseeded random op's generator, a global dtype policy)."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        generator = seed_generator.global_seed_generator()
+        state, seen = keras_adapter.thread_state(), {}
+
+        def in_thread(adopt):
+            if adopt:
+                keras_adapter.adopt_thread_state(state)
+            seen[adopt] = (keras.config.dtype_policy().name, seed_generator.global_seed_generator())
+
+        for adopt in (False, True):
+            thread = threading.Thread(target=in_thread, args=(adopt,))
+            thread.start()
+            thread.join()
+        assert seen[True] == ("mixed_bfloat16", generator)
+        assert seen[False][0] == "float32" and seen[False][1] is not generator  # Keras's own.
+    finally:
+        keras.config.set_dtype_policy("float32")

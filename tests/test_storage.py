@@ -332,6 +332,26 @@ def test_a_lock_a_full_disk_stops_half_written_is_removed(tmp_path, monkeypatch)
     assert not (tmp_path / ".lock").exists()
 
 
+@pytest.mark.parametrize("failing", ["copy2", "replace"])
+def test_a_changed_config_that_cannot_be_kept_or_renamed_leaves_the_files_as_they_were(
+        tmp_path, monkeypatch, failing):
+    """The disk fills at the copy of the earlier config.json, or at the rename of the new one: one
+    line, and config.json as it was, with no copy or temporary file left."""
+    from mixloop.runner import workdir as workdir_module
+
+    config = tiny_experiment.get_config()
+    workdir_module.write_config(str(tmp_path), config, 0)
+    before = (tmp_path / "config.json").read_bytes()
+    monkeypatch.setattr(workdir_module.shutil if failing == "copy2" else workdir_module.os,
+                        failing, no_space)
+    config.train.num_steps = 80
+    with pytest.raises(workdir_module.UnusableWorkdir, match="No space left on device"):
+        workdir_module.write_config(str(tmp_path), config, 40)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["config.json"]
+    assert (tmp_path / "config.json").read_bytes() == before
+
+
 def test_the_probes_temporary_folders_a_kill_left_are_removed_at_the_next_start(tmp_path):
     from mixloop.runner import workdir as workdir_module
 

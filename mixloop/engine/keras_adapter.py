@@ -31,6 +31,18 @@ def set_name_counters(counters) -> None:
     global_state.set_global_attribute("object_name_uids", counters)
 
 
+def thread_state() -> dict:
+    """Keras's global state as this thread sees it (Keras keeps it per thread: the global dtype
+    policy, the unseeded random ops' seed generator, the name counters, its scopes)."""
+    return dict(vars(global_state.GLOBAL_STATE_TRACKER))
+
+
+def adopt_thread_state(state: dict) -> None:
+    """Makes this thread see Keras's global state `state` (`thread_state()` of another thread)."""
+    for name, value in state.items():
+        setattr(global_state.GLOBAL_STATE_TRACKER, name, value)
+
+
 def leave_gradients_summed(optimizer: keras.optimizers.Optimizer) -> None:
     """Makes `optimizer.apply` under several replicas use the gradients as given.
 

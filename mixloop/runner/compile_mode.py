@@ -65,6 +65,7 @@ from tensorflow.python.eager import context
 
 from mixloop import interrupts
 from mixloop.config import ELEMENTWISE, ConfigError
+from mixloop.engine import keras_adapter
 from mixloop.engine.layer_precision import named_layers
 from mixloop.runner import compile_cache, controller, workdir
 
@@ -221,7 +222,8 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
         return False
     modes = _modes_to_probe(trainer.policy.compute_dtype, rule)
     try:
-        probe = measure(trainer, modes, run_updates=left, stop_requested=stop_requested)
+        probe = measure(trainer, modes, run_updates=left, stop_requested=stop_requested,
+                        abandon_on_stop=interrupts.running_a_command())
     except interrupts.ProbeStopped:
         trainer.set_jit_compile(False if rule else True)  # As unprobed: by the rule, else XLA.
         logging.info("jit_compile=auto: the probe gave up for the stop request, state restored")
@@ -366,15 +368,18 @@ class Probe(NamedTuple):
 
 
 def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] = None,
-            stop_requested: Callable[[], bool] = lambda: False) -> Probe:
+            stop_requested: Callable[[], bool] = lambda: False, abandon_on_stop: bool = False
+            ) -> Probe:
     """The probe: each of `modes` compiled and timed from the trainer's current state, which it
     leaves as it was (the benchmark reports it too). With
     `run_updates` (the run's length) it compiles no further mode once that would take it past
     PROBE_SHARE of the run's time at the fastest step timed so far: at least the first is measured.
+    With `abandon_on_stop` (a command that can end itself) a stop during a compilation abandons it.
 
     Raises:
       interrupts.ProbeStopped: at the first loop boundary after `stop_requested()` turned true.
-      interrupts.ProbeAbandoned: in a command, once `stop_requested()` during a compilation.
+      interrupts.ProbeAbandoned: with `abandon_on_stop`, once `stop_requested()` during a
+        compilation.
     """
     started = time.perf_counter()
     with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
@@ -388,7 +393,8 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
                     break
                 interrupts.check_stop(stop_requested)
                 trainer.set_jit_compile(mode)
-                compile_seconds[mode] = _seconds_of_first_loop(trainer, stop_requested)
+                compile_seconds[mode] = _seconds_of_first_loop(
+                    trainer, stop_requested if abandon_on_stop else None)
                 interrupts.check_stop(stop_requested)
                 seconds[mode] = seconds_of_loop(trainer, 1)
             # Per mode, about PROBE_SECONDS a loop: a mode 30x slower is timed on fewer updates.
@@ -416,21 +422,23 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
     return Probe(speeds, time.perf_counter() - started, compile_seconds)
 
 
-def _seconds_of_first_loop(trainer, stop_requested: Callable[[], bool]) -> float:
+def _seconds_of_first_loop(trainer, stop_requested: Optional[Callable[[], bool]]) -> float:
     """Seconds of the trainer's first loop in the mode set, one update: it traces and compiles.
-    In a command the loop runs in a thread of its own while this one watches `stop_requested()`:
-    compiling runs in C++ for seconds (charlm's quick run: 12 s), where no signal handler runs.
+    With `stop_requested` the loop runs in a thread of its own, seeing this thread's Keras state,
+    while this one watches `stop_requested()`: compiling runs in C++ for seconds (charlm's quick
+    run: 12 s), where no signal handler runs.
 
     Raises:
       interrupts.ProbeAbandoned: once `stop_requested()` while the loop runs (its thread goes on).
     """
     started = time.perf_counter()
-    if not interrupts.running_a_command():
+    if stop_requested is None:
         trainer.train_loop(1)
         return time.perf_counter() - started
-    failure = []
+    keras_state, failure = keras_adapter.thread_state(), []
 
     def first_loop() -> None:
+        keras_adapter.adopt_thread_state(keras_state)  # Keras keeps its global state per thread.
         try:
             trainer.train_loop(1)
         except BaseException as error:  # Raised again in the caller's thread.

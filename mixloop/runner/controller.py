@@ -8,6 +8,7 @@ SIGTERM into a checkpoint and a clean exit, and stops on divergence or at the en
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import time
@@ -165,57 +166,58 @@ def _save(trainer: Runnable, step: int) -> None:
 def train(trainer: Runnable) -> dict[str, float]:
     """Runs `trainer` to `config.train.num_steps`, resuming from its workdir; returns the last metrics."""
     # Checks before anything is written: a checkpoint that does not fit changes nothing.
-    resumed = trainer.restore() is not None
+    resumed_from = trainer.restore()
     if trainer.eval_data is not None and next(iter(trainer.eval_data.take(1)), None) is None:
         raise UserError(EMPTY_EVAL_DATA)
     num_batches = trainer.num_train_batches()  # None when it repeats.
     # Before the lock: a bad Action is refused with nothing written.
     actions = checked_actions(trainer.actions())
-    try:
-        return _train_locked(trainer, actions, num_batches, resumed)
-    except interrupts.ProbeAbandoned:  # Logged, the lock released; nothing was written since.
-        interrupts.end_process(0)
-
-
-def _train_locked(trainer: Runnable, actions: list, num_batches: Optional[int],
-                  resumed: bool) -> dict[str, float]:
-    """`train` from taking the workdir's lock on (`resumed`: from a checkpoint)."""
     lock_directory = trainer.workdir if trainer.is_chief else trainer.checkpoints.directory
     # The stop request first: from the lock on, a signal stops the run at a checkpoint.
-    with _StopRequest() as stop, workdir.WorkdirLock(lock_directory):
-        if trainer.is_chief:
-            workdir.check_writable(trainer.workdir)
-            workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
-        # A stop during a probe ends it at its next boundary; the run then saves and exits (and
-        # a stop during the placement leaves the compile mode undecided: no loop runs).
-        trainer.start_precision(stop.requested)  # From the restored weights, before any trace.
-        # After the placement, which changes what is compiled.
-        start = int(trainer.global_step.numpy())
+    with _StopRequest() as stop:
         try:
-            probed = not stop.requested() and trainer.choose_compile_mode(stop.requested)
-        except interrupts.ProbeAbandoned:
-            logging.info("Stopped by %s during the compile-mode probe at step %d, which kept "
-                         "nothing: %s. Run the same command to resume.",
-                         signal.Signals(stop.signal_number).name, start,
-                         f"checkpoint ckpt-{start} holds the run" if resumed
-                         else "nothing to save, as a new start repeats this one")
-            raise
-        logging.info("%s", memory.persistent_state(trainer).describe())  # As placed and compiled.
-        metrics, reason = _run_loops(trainer, actions, stop, num_batches, compiled=probed)
-        step = int(trainer.global_step.numpy())
-        _save(trainer, step)
-        if stop.signal_number is not None and step < trainer.config.train.num_steps:
-            logging.info("Stopped by %s at step %d; checkpoint saved in %s. Run the same command "
-                         "to resume.", signal.Signals(stop.signal_number).name, step,
-                         trainer.checkpoints.directory)
-            return metrics
-        if reason == guard.END_OF_DATA:
-            logging.warning("The train dataset ended at step %d of %d; checkpoint saved. Set "
-                            "config.train.repeat_dataset=True to repeat it.", step,
-                            trainer.config.train.num_steps)
-            return metrics
-        if trainer.is_chief:
-            trainer.export()
+            with workdir.WorkdirLock(lock_directory):
+                return _train_locked(trainer, actions, num_batches, stop, resumed_from)
+        except interrupts.ProbeAbandoned:  # Logged; the lock released, nothing written since.
+            interrupts.end_process(0)
+
+
+def _train_locked(trainer: Runnable, actions: list, num_batches: Optional[int], stop: _StopRequest,
+                  resumed_from: Optional[str]) -> dict[str, float]:
+    """`train` once the workdir's lock is taken (`resumed_from`: the checkpoint restored)."""
+    if trainer.is_chief:
+        workdir.check_writable(trainer.workdir)
+        workdir.write_config(trainer.workdir, trainer.config, int(trainer.global_step.numpy()))
+    # A stop during a probe ends it at its next boundary; the run then saves and exits (and
+    # a stop during the placement leaves the compile mode undecided: no loop runs).
+    trainer.start_precision(stop.requested)  # From the restored weights, before any trace.
+    # After the placement, which changes what is compiled.
+    start = int(trainer.global_step.numpy())
+    try:
+        probed = not stop.requested() and trainer.choose_compile_mode(stop.requested)
+    except interrupts.ProbeAbandoned:
+        logging.info("Stopped by %s during the compile-mode probe at step %d, which kept "
+                     "nothing: %s. Run the same command to resume.",
+                     signal.Signals(stop.signal_number).name, start,
+                     f"checkpoint {os.path.basename(resumed_from)} holds the run" if resumed_from
+                     else "nothing to save, as a new start repeats this one")
+        raise
+    logging.info("%s", memory.persistent_state(trainer).describe())  # As placed and compiled.
+    metrics, reason = _run_loops(trainer, actions, stop, num_batches, compiled=probed)
+    step = int(trainer.global_step.numpy())
+    _save(trainer, step)
+    if stop.signal_number is not None and step < trainer.config.train.num_steps:
+        logging.info("Stopped by %s at step %d; checkpoint saved in %s. Run the same command "
+                     "to resume.", signal.Signals(stop.signal_number).name, step,
+                     trainer.checkpoints.directory)
+        return metrics
+    if reason == guard.END_OF_DATA:
+        logging.warning("The train dataset ended at step %d of %d; checkpoint saved. Set "
+                        "config.train.repeat_dataset=True to repeat it.", step,
+                        trainer.config.train.num_steps)
+        return metrics
+    if trainer.is_chief:
+        trainer.export()
     logging.info("%s", reporting.describe_finish(step, trainer.config.train.num_steps, metrics,
                                                  has_eval_data=trainer.eval_data is not None))
     return metrics

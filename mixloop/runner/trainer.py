@@ -362,7 +362,9 @@ class Trainer:
     def train(self) -> dict[str, float]:
         """Runs (or resumes) training to `config.train.num_steps` updates; returns the last metrics.
 
-        On SIGINT or SIGTERM it finishes the current loop, saves a checkpoint and returns early.
+        On SIGINT or SIGTERM it finishes the current loop, saves a checkpoint and returns early;
+        in `python -m mixloop.train`, one during the compile-mode probe's compilation ends the
+        process, as nothing was trained yet (`interrupts.ProbeAbandoned`).
 
         Raises:
           UserError: for a checkpoint that does not fit or none that reads, a workdir in use or

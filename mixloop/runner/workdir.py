@@ -263,8 +263,8 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
 
     An unchanged config leaves the file as it is, with its `resolved` record; a changed one carries
     the record over, since what the earlier probes chose still holds for the weights resumed. The
-    new file is written whole before the earlier one is kept under its new name (a link, not a
-    move), so a full disk leaves `config.json` as it was.
+    new file is written whole, the earlier one copied to its new name, then the new one renamed
+    into place: a full disk leaves `config.json` as it was.
 
     Raises:
       UnusableWorkdir: when the workdir cannot be written (a full disk, no free inodes).
@@ -280,7 +280,7 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
             return
         logging.warning("Resuming at step %d with a changed config: %s", step, "; ".join(changes))
         kept, n = os.path.join(directory, f"config-step-{step}.json"), 1
-        while os.path.exists(kept):  # Changed twice at one step: keep both.
+        while os.path.lexists(kept):  # Changed twice at one step: keep both.
             n += 1
             kept = os.path.join(directory, f"config-step-{step}-{n}.json")
         if resolved:
