@@ -7,8 +7,9 @@ loss reads: with train.batch_loss the two passes must refuse it), "policy_string
 given the policy as a string), "no_training" (`forward` without `training=`), "unrelated_input"
 (`input_gradients` of a function that ignores its input), "integer_inputs" (`input_gradients`
 with respect to the labels), "dict_fn" (a function returning a dict), "zero_scale"
-(`input_gradients(..., scale=0)`), or in `build_optimizer` "no_optimizer" (returns None) and
-"optimizer_name" (returns the string "adam").
+(`input_gradients(..., scale=0)`), or in `build_optimizer` "no_optimizer" (returns None),
+"optimizer_name" (returns the string "adam") and "every_steps_zero" (`mixloop.build_optimizer`
+with every_steps=0).
 """
 
 import keras
@@ -31,6 +32,8 @@ class MisuseTrainer(tiny_experiment.TinyTrainer):
     def build_optimizer(self):
         wrong = {"no_optimizer": None, "optimizer_name": "adam"}
         misuse = self.config.model.misuse
+        if misuse == "every_steps_zero":
+            return mixloop.build_optimizer(self.config, every_steps=0)
         return wrong[misuse] if misuse in wrong else super().build_optimizer()
 
     def compute_loss(self, outputs, batch):

@@ -488,6 +488,31 @@ def test_a_stop_while_the_probe_compiles_ends_the_command_within_seconds(tmp_pat
     assert os.listdir(tmp_path) == ["config.json"]  # No checkpoint, probe folder or lock.
 
 
+@pytest.mark.slow
+def test_a_kill_during_the_probe_leaves_a_copy_of_the_state_the_next_start_removes(tmp_path):
+    """SIGKILL while the probe traces (slow_start_experiment's `trace` variant): its copy of the
+    state stays behind; the next run of the workdir removes it and trains."""
+    args = (f"--workdir={tmp_path}", "--config.precision.policy=float32")
+    process = cli_runs.start("mixloop.train", f"--config={slow_start_experiment.__file__}:trace",
+                             *args, "--config.jit_compile=auto", "--config.train.num_steps=300")
+    try:
+        while (line := process.stderr.readline()) and slow_start_experiment.TRACING not in line:
+            pass
+        process.kill()
+        process.wait(timeout=30)
+    finally:
+        process.kill()
+    left = glob.glob(str(tmp_path / ".compile-probe-*"))
+    assert len(left) == 1 and os.listdir(left[0]), "the probe's copy of the state"
+
+    result = cli_runs.run("mixloop.train", f"--config={cli_runs.TINY_CONFIG}", *args,
+                          "--config.jit_compile=False")  # The same workdir, no probe this time.
+    assert result.returncode == 0, result.stderr
+    assert f"Removing {left[0]}, a probe's temporary folder an interrupted run left" in result.stderr
+    assert not glob.glob(str(tmp_path / ".compile-probe-*"))
+    assert cli_runs.checkpoint_steps(tmp_path) == [20, 40]
+
+
 def test_a_stop_during_the_probe_ends_it_at_its_next_loop_and_the_run_saves(tmp_path, pinned_speeds,
                                                                            monkeypatch, caplog):
     """SIGTERM after the probe's first timed loop: no further loop, the state put back, nothing

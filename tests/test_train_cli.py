@@ -471,6 +471,17 @@ def test_a_build_optimizer_returning_no_optimizer_is_one_line(tmp_path, misuse, 
     assert not (tmp_path / ".lock").exists()
 
 
+def test_mixloop_build_optimizer_misused_in_build_optimizer_is_one_line(tmp_path):
+    result = run_cli(f"--config={MISUSE_CONFIG}", "--config.model.misuse=every_steps_zero",
+                     f"--workdir={tmp_path}")
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    [line] = error_lines(result)
+    assert line.startswith("error: build_optimizer() failed: ValueError: mixloop.build_optimizer: "
+                           "every_steps=0 is not allowed: a positive integer"), line
+    assert not (tmp_path / ".lock").exists()
+
+
 def test_an_output_that_is_not_batch_shaped_under_batch_loss_is_one_line(tmp_path):
     """A batch mean of the logits ([3]) would reach the loss of 2 micro-batches joined ([6])."""
     result = run_cli(f"--config={MISUSE_CONFIG}", "--config.model.misuse=batch_mean",
