@@ -186,6 +186,17 @@ def test_the_lighter_variant_needs_the_configs_adam():
     assert not benchmark.lighter_fits(own_optimizer, config)
 
 
+def test_a_peak_ratio_that_was_not_measured_reads_n_a_in_the_headline():
+    # gan_digits has two objectives, so no lighter variant: its ratio is None, printed as n/a.
+    report = dict(trainer="GanTrainer", updates_per_repeat=20, batch_size=64, repeats=5,
+                  machine=dict(processor="cpu", cpu_count=2, tensorflow="2", keras="3"),
+                  variants=[], ratios={name: 1.25 for name in benchmark.RATIOS},
+                  memory_ratios={"mixed_bfloat16/float32": 1.05, "mixed_float16/float32": 1.02,
+                                 "lighter/float32": None})
+    headline = benchmark.format_table(report).splitlines()[-3]
+    assert headline.endswith("mixed_bfloat16 1.05x, mixed_float16 1.02x, lighter n/a"), headline
+
+
 def test_with_xla_off_the_variations_turn_it_on():
     config = tiny_experiment.get_config()
     config.jit_compile = False

@@ -644,7 +644,7 @@ def format_table(report: dict[str, Any]) -> str:
     headline = ("16-bit vs float32, each in its fastest compile mode: " + ", ".join(
         f"{name.split('/')[0]} {ratios[name]:.2f}x" for name in POLICY_RATIOS)) + (
         "; peak memory vs float32's, all in the configured compile mode: " + ", ".join(
-            f"{name.split('/')[0]} {_shown(memory_ratio[name])}x" for name in MEMORY_RATIOS))
+            f"{name.split('/')[0]} {_times(memory_ratio[name])}" for name in MEMORY_RATIOS))
     auto = report.get("auto_compile_mode")
     if auto:
         speeds = ", ".join(f"{speed:.0f} {compile_mode.describe(_AUTO_KEYS[key])}"
@@ -664,6 +664,11 @@ def _rounded(ratio: Optional[float]) -> Optional[float]:
 def _shown(ratio: Optional[float]) -> str:
     """A ratio as the table prints it: two decimals, or n/a for one that was not timed."""
     return "n/a" if ratio is None else f"{ratio:.2f}"
+
+
+def _times(ratio: Optional[float]) -> str:
+    """A ratio as the headline prints it ('0.83x'), or n/a for one that was not measured."""
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def _shown_bytes(num_bytes: Optional[int]) -> str:
