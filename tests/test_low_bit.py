@@ -333,7 +333,10 @@ def update_peak(optimizer, num_variables: int, size: int = 2**20) -> float:
     grads = [tf.random.normal([size], seed=100 + i) for i in range(num_variables)]
     apply = tf.function(lambda grads: optimizer.apply(grads, variables))
     apply(grads)  # Traced and run once: what stays allocated after is the state.
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    try:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+    except ValueError:  # TensorFlow without oneDNN (its default on a CPU with AVX2 alone).
+        pytest.skip("this TensorFlow's CPU allocator keeps no statistics (oneDNN off)")
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     apply(grads)
     return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
