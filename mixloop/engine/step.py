@@ -41,7 +41,7 @@ import keras
 import tensorflow as tf
 
 from mixloop.engine import batch_loss as global_batch
-from mixloop.engine import keras_adapter, low_bit
+from mixloop.engine import keras_adapter, low_bit, tracing
 from mixloop.engine.ema import ExponentialMovingAverage
 from mixloop.engine.loss import Loss, LossContractError, as_losses, per_weight
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, LossScale, leaves_finite
@@ -217,12 +217,12 @@ class TrainStep:
         check_objectives(objectives)
         self.objectives = with_loss_scales(dict(objectives), NoLossScale)
         self.model = model
-        self.loss_fn = loss_fn
+        self.loss_fn = tracing.hook(loss_fn)
         self.policy = policy
         self.accumulation_steps = int(accumulation_steps)
         self.accumulation_dtype = tf.as_dtype(accumulation_dtype)
         self.clip_global_norm = clip_global_norm
-        self.input_fn = input_fn
+        self.input_fn = tracing.hook(input_fn)
         self.strategy = tf.distribute.get_strategy()
         # The two passes only where the loss would otherwise see part of the batch.
         self.two_pass = batch_loss and (self.accumulation_steps > 1
@@ -298,8 +298,8 @@ class TrainStep:
         loop_in_graph = jit_compile and self.accumulation_steps > 1
         bodies = {"add_micro_batch": self._add_micro_batch, "forward": self._forward_micro_batch,
                   "add_backward": self._add_backward}
-        return (tf.function(self.step, jit_compile=jit_compile and not loop_in_graph),
-                {name: tf.function(body, jit_compile=True) if loop_in_graph else body
+        return (tracing.function(self.step, jit_compile=jit_compile and not loop_in_graph),
+                {name: tracing.function(body, jit_compile=True) if loop_in_graph else body
                  for name, body in bodies.items()})
 
     def __call__(self, batch: Batch) -> dict[str, Any]:
@@ -668,13 +668,13 @@ class TrainStep:
                 outputs = forward(self.model, self.policy, self.input_fn(batch), training=True)
                 try:
                     losses = as_losses(self.loss_fn(outputs, batch), self.objectives)
-                except LossContractError as error:  # Autograph would wrap it in many lines.
+                except LossContractError as error:  # Raised after the trace, in one line.
                     errors.append(error)
                     return
                 names.update({name: list(loss.metrics) for name, loss in losses.items()})
 
             try:
-                tf.function(forward_and_loss).get_concrete_function(loss_spec)
+                tracing.function(forward_and_loss).get_concrete_function(loss_spec)
             except (TypeError, ValueError) as error:
                 unknown = _unknown_batch_leaf(loss_spec)
                 if unknown is None:
@@ -727,7 +727,7 @@ class TrainStep:
         if objective.after_update is not None:
             # Here in cross-replica context, outside any layer call: it reads the float32 master
             # weights (not Keras's autocast copies) and each assign writes every replica alike.
-            objective.after_update()
+            tracing.hook(objective.after_update)()
         if self.ema:
             self.ema[name].update()
         return tf.constant(True)

@@ -87,7 +87,7 @@ import numpy as np
 import tensorflow as tf
 
 from mixloop.config import DEFAULT_INITIAL_SCALE, parse_loss_scale, split_auto
-from mixloop.engine import float8_layers
+from mixloop.engine import float8_layers, tracing
 from mixloop.engine.layer_precision import build_model, named_layers
 from mixloop.engine.loss import as_losses
 from mixloop.engine.policy import Policy
@@ -646,13 +646,14 @@ def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
     failures: list[tuple[int, str, Exception]] = []  # (layer index, stage, error), finest first.
     strays: list[str] = []  # The paths of `net.strays` the loss reached, found while tracing.
 
-    @tf.function
     def traced(batch, scale, examined_scale):
         with (tf.GradientTape() as tape,
               _recording_calls(net.layers, tape.watch, failures, stop_requested) as calls,
               _running(trainer, net)):
-            outputs = forward(net.model, net.policy, trainer.model_inputs(batch), training=True)
-            loss = as_losses(trainer.compute_loss(outputs, batch), trainer.objectives)[objective]
+            outputs = forward(net.model, net.policy, tracing.hook(trainer.model_inputs)(batch),
+                              training=True)
+            loss = as_losses(tracing.hook(trainer.compute_loss)(outputs, batch),
+                             trainer.objectives)[objective]
             scaled_loss = per_weight(loss.value, tf.stop_gradient(loss.weight)) * scale  # As the step.
         layer_outputs = {index: [call.outputs for call in records] for index, records in calls.items()}
         try:
@@ -679,6 +680,7 @@ def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
                          for index, records in calls.items() if index in float8}
         return order, stats, grads, float8_values
 
+    traced = tracing.function(traced)
     def run(batch: Any, scale: float, state: list[np.ndarray], examined_scale: float = 1.0) -> _Pass:
         interrupts.check_stop(stop_requested)
         _assign(net.model.non_trainable_variables, state)

@@ -21,7 +21,7 @@ import tensorflow as tf
 from absl import logging
 
 from mixloop.config import ConfigError, split_auto
-from mixloop.engine import compact_optimizer, float8_layers, layer_precision, lighter_model
+from mixloop.engine import compact_optimizer, float8_layers, layer_precision, lighter_model, tracing
 from mixloop.engine.loss import as_losses
 from mixloop.engine.objective import SINGLE, Objective, with_loss_scales
 from mixloop.engine.step import Batch, TrainStep, default_input_fn, forward, masked_paths
@@ -217,7 +217,7 @@ class Trainer:
         self.train_step.recompile()
         self._train_loops: dict[Optional[bool], Any] = {}  # Per compile mode: traced once, kept.
         self.set_jit_compile(self.jit_compile)
-        self._eval_step = tf.function(self._eval_batch)
+        self._eval_step = tracing.function(self._eval_batch)
 
     def choose_compile_mode(self, stop_requested: Callable[[], bool] = lambda: False) -> bool:
         """Decides `jit_compile` for config.jit_compile="auto" (`compile_mode.choose`: recorded in
@@ -233,7 +233,7 @@ class Trainer:
         self.jit_compile = jit_compile
         self.train_step.jit_compile = compile_mode.step_with_xla(jit_compile)
         if jit_compile not in self._train_loops:
-            self._train_loops[jit_compile] = tf.function(self._inner_loop)
+            self._train_loops[jit_compile] = tracing.function(self._inner_loop)
         self._train_loop = self._train_loops[jit_compile]
 
     def start_precision(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
@@ -264,11 +264,15 @@ class Trainer:
         totals = {"objectives": {name: reporting.zero_totals(self.train_metric_names[name])
                                  for name in self.objectives},
                   "last_inputs_finite": tf.constant(True)}
-        for _ in tf.range(num_steps):
-            totals = self._count_update(totals, self.train_step(next(iterator)))
-            if guard.any_stopping([t["stop_reason"] for t in totals["objectives"].values()]):
-                break
-        return totals
+
+        def going_on(step: tf.Tensor, totals: dict[str, Any]) -> tf.Tensor:
+            stopping = guard.any_stopping([t["stop_reason"] for t in totals["objectives"].values()])
+            return tf.logical_and(step < num_steps, tf.logical_not(stopping))
+
+        def update(step: tf.Tensor, totals: dict[str, Any]) -> tuple[tf.Tensor, dict[str, Any]]:
+            return step + 1, self._count_update(totals, self.train_step(next(iterator)))
+
+        return tf.while_loop(going_on, update, (tf.zeros_like(num_steps), totals))[1]
 
     def _count_update(self, totals: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
         """`totals` after the update whose step `metrics` these are; the skip counters moved on
@@ -287,9 +291,10 @@ class Trainer:
 
     def _eval_batch(self, batch: Batch) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
         """One eval batch's metrics and its number of examples."""
-        outputs = forward(self.model, self.policy, self.model_inputs(batch), training=False)
+        outputs = forward(self.model, self.policy, tracing.hook(self.model_inputs)(batch),
+                          training=False)
         metrics = {name: tf.cast(value, tf.float32)
-                   for name, value in self.eval_metrics(outputs, batch).items()}
+                   for name, value in tracing.hook(self.eval_metrics)(outputs, batch).items()}
         return metrics, tf.shape(tf.nest.flatten(batch)[0])[0]
 
     def evaluate(self) -> dict[str, float]:
