@@ -39,8 +39,8 @@ def described(error: BaseException) -> str:
 
 
 def message_of(error: BaseException) -> str:
-    """`error`'s own message: for an error raised while TensorFlow traced code (a `UserError` from
-    mixloop's checks inside the step), without the traced call stack autograph wrapped it in."""
+    """`error`'s own message: for an error raised while AutoGraph traced the experiment's code (a
+    hook such as `compute_loss`), without the traced call stack it wrapped the message in."""
     return _untraced(str(error), type(error).__name__)[0]
 
 

@@ -307,7 +307,7 @@ class TrainStep:
 
         Raises:
           LossContractError: on the first call, when `loss_fn` returns what `as_losses` cannot read
-            (raised here, before tracing, where TensorFlow would wrap it in its staging error).
+            (raised here, from a trace of the loss alone, before the step's own trace).
         """
         if self._traced_metric_names is None:
             self.metric_names(tf.nest.map_structure(self._global_spec, batch))

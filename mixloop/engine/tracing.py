@@ -1,12 +1,12 @@
 """Tracing: mixloop's own code is traced as written; only the experiment's hooks go through AutoGraph.
 
 mixloop's step and loop spell their control flow out (`tf.cond`, `tf.while_loop`), so AutoGraph has
-nothing to convert in them, yet converting their hundred functions cost every process about 5 s
-before its first update on a 2-core CPU (tests/test_tracing.py). The experiment's hooks
-(`compute_loss`, `model_inputs`, `eval_metrics`, an objective's `after_update`) are converted as a
-`tf.function` converts them: Python `if`/`for` over tensors become graph control flow, and an error
-raised in them names the experiment's lines ('in user code: ...'). Keras's own `fit` traces its
-step without AutoGraph too.
+nothing to convert in them, yet converting their hundred functions cost each process seconds before
+its first update (digits' first loop on 2 AVX2 cores: 6.1 s with them converted, 1.8 s without;
+CHANGELOG.md). The experiment's hooks (`compute_loss`, `model_inputs`, `eval_metrics`, an
+objective's `after_update`) are converted while traced, as inside a `tf.function`: Python `if`/`for`
+over tensors become graph control flow, and an error raised in them names the experiment's lines
+('in user code: ...'). Keras's own `fit` traces its step without AutoGraph too.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any, Callable, TypeVar
 
 import tensorflow as tf
 from tensorflow.python.autograph.core import ag_ctx
+
+from mixloop.errors import UserError
 
 Hook = TypeVar("Hook", bound=Callable[..., Any])
 # AutoGraph on, whatever the caller's status: mixloop's functions trace with it off.
@@ -28,8 +30,21 @@ def function(fn: Callable[..., Any], **options: Any) -> tf.types.experimental.Po
 
 
 def hook(fn: Hook) -> Hook:
-    """The experiment's `fn` as a `tf.function` with AutoGraph calls it: converted when called."""
+    """The experiment's `fn`, converted by AutoGraph when called while tracing; as written when run
+    eagerly (a debugger stops in the experiment's own lines) and when it is mixloop's own default
+    (`Trainer.model_inputs`, which converts the hooks it calls itself). A `UserError` that
+    mixloop's code raised inside it comes out as raised: one line, not AutoGraph's re-raise."""
+    if (getattr(getattr(fn, "__func__", fn), "__module__", None) or "").startswith("mixloop."):
+        return fn
+
     @functools.wraps(fn)
     def converted(*args: Any, **kwargs: Any) -> Any:
-        return tf.__internal__.autograph.tf_convert(fn, _CONVERT)(*args, **kwargs)
+        if not tf.inside_function():
+            return fn(*args, **kwargs)
+        try:
+            return tf.__internal__.autograph.tf_convert(fn, _CONVERT)(*args, **kwargs)
+        except Exception as error:
+            if hasattr(error, "ag_error_metadata") and isinstance(error.__context__, UserError):
+                raise error.__context__ from None
+            raise
     return converted

@@ -681,6 +681,7 @@ def _traced_pass(trainer, objective: str, net: _Net, dtypes: dict[int, str],
         return order, stats, grads, float8_values
 
     traced = tracing.function(traced)
+
     def run(batch: Any, scale: float, state: list[np.ndarray], examined_scale: float = 1.0) -> _Pass:
         interrupts.check_stop(stop_requested)
         _assign(net.model.non_trainable_variables, state)

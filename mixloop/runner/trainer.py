@@ -164,7 +164,8 @@ class Trainer:
         each objective's loss per weight (`loss`, or `loss/<objective>` for several) and the metrics
         `compute_loss` returns in `mixloop.Loss`es."""
         metrics = {}
-        for name, loss in as_losses(self.compute_loss(outputs, batch), self.objectives).items():
+        losses = as_losses(tracing.hook(self.compute_loss)(outputs, batch), self.objectives)
+        for name, loss in losses.items():
             metrics[reporting.tag("loss", name, self.objectives)] = loss.value / loss.weight
             metrics.update(loss.metrics)
         return metrics

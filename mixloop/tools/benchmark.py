@@ -76,7 +76,7 @@ from absl import flags, logging
 
 from mixloop import cli, interrupts
 from mixloop.config import AUTO, split_auto, validate
-from mixloop.engine import float8_layers, layer_precision
+from mixloop.engine import float8_layers, layer_precision, tracing
 from mixloop.engine.loss import Loss, as_loss, as_losses
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.engine.step import forward
@@ -390,7 +390,8 @@ def _with_extra_metric(trainer_class: type) -> type:
     """A subclass of `trainer_class` whose first objective reports one more train metric."""
 
     def compute_loss(self, outputs, batch):
-        losses = as_losses(trainer_class.compute_loss(self, outputs, batch), self.objectives)
+        losses = as_losses(tracing.hook(trainer_class.compute_loss)(self, outputs, batch),
+                           self.objectives)
         first = next(iter(losses))
         extra = tf.reduce_mean(tf.cast(tf.nest.flatten(outputs)[0], tf.float32))
         losses[first] = Loss(losses[first].value, losses[first].weight,
