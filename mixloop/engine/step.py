@@ -41,13 +41,16 @@ import keras
 import tensorflow as tf
 
 from mixloop.engine import batch_loss as global_batch
-from mixloop.engine import keras_adapter, low_bit, tracing
+from mixloop.engine import keras_adapter, low_bit, matmul_gradient, tracing
 from mixloop.engine.ema import ExponentialMovingAverage
 from mixloop.engine.loss import Loss, LossContractError, as_losses, per_weight
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, LossScale, leaves_finite
 from mixloop.engine.objective import SINGLE, Objective, check_objectives, with_loss_scales
 from mixloop.engine.policy import Policy
 from mixloop.errors import UserError, described
+
+# Keras's broadcast matrix products (attention projections) differentiated as one 2-D product each.
+matmul_gradient.install()
 
 Batch = Any
 

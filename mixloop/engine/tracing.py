@@ -2,11 +2,12 @@
 
 mixloop's step and loop spell their control flow out (`tf.cond`, `tf.while_loop`), so AutoGraph has
 nothing to convert in them, yet converting their hundred functions cost each process seconds before
-its first update (digits' first loop on 2 AVX2 cores: 6.1 s with them converted, 1.8 s without;
-CHANGELOG.md). The experiment's hooks (`compute_loss`, `model_inputs`, `eval_metrics`, an
+its first update (CHANGELOG.md gives the figures and the command). The experiment's hooks (`compute_loss`, `model_inputs`, `eval_metrics`, an
 objective's `after_update`) are converted while traced, as inside a `tf.function`: Python `if`/`for`
 over tensors become graph control flow, and an error raised in them names the experiment's lines
-('in user code: ...'). Keras's own `fit` traces its step without AutoGraph too.
+('in user code: ...'). Keras's own `fit` traces its step without AutoGraph too. `ag_ctx` is
+TensorFlow's private module for AutoGraph's on/off status; tests/test_tracing.py fails loudly if it
+changes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def function(fn: Callable[..., Any], **options: Any) -> tf.types.experimental.Po
 def hook(fn: Hook) -> Hook:
     """The experiment's `fn`, converted by AutoGraph when called while tracing; as written when run
     eagerly (a debugger stops in the experiment's own lines) and when it is mixloop's own default
-    (`Trainer.model_inputs`, which converts the hooks it calls itself). A `UserError` that
+    (e.g. `Trainer.eval_metrics`, which converts the `compute_loss` it calls). A `UserError` that
     mixloop's code raised inside it comes out as raised: one line, not AutoGraph's re-raise."""
     if (getattr(getattr(fn, "__func__", fn), "__module__", None) or "").startswith("mixloop."):
         return fn

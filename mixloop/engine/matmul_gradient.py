@@ -1,0 +1,48 @@
+"""The gradient of a batch of inputs times one weight matrix: one 2-D matrix product, not a product
+per batch item summed.
+
+Keras 3 on TensorFlow computes `EinsumDense` (every `MultiHeadAttention` projection, keras-hub's
+Transformers) and `ops.einsum`/`ops.matmul` of a 3-D input by a 2-D weight as `tf.matmul(x, w)`:
+one `BatchMatMulV2` with x of shape (batch..., m, k) and w of (k, n), broadcast over the batch.
+TensorFlow differentiates it for any broadcast: w's gradient is a (k, n) product per batch item,
+each of inner size m only, then summed over the batch. That costs the batch size times w's memory
+and, under a 16-bit policy, rounds every item's product to 16 bits before a 16-bit sum. Here the
+inputs and the output gradient are flattened to (batch * m, k) and (batch * m, n) and multiplied
+once: the same gradient, accumulated in float32 by the matrix kernel and rounded once, faster
+(charlm at width 512 in bfloat16; CHANGELOG.md). Every other case keeps TensorFlow's gradient.
+
+TensorFlow's GradientTape looks a gradient up by the op's type, so this one replaces TensorFlow's
+registered `BatchMatMulV2` gradient in the process (`install`, when mixloop's step is imported),
+for every tape, as mixloop's XLA flags apply to every function. `_gradient_registry` is private to
+TensorFlow; tests/test_matmul_gradient.py fails loudly if it changes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+from tensorflow.python.framework import ops
+
+_OP_TYPE = "BatchMatMulV2"
+_TENSORFLOWS: Callable = ops._gradient_registry.lookup(_OP_TYPE)
+
+
+def batch_times_matrix_gradient(op: tf.Operation, grad: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """The gradients of `BatchMatMulV2(x, w)` for x of rank 3 or more and w a matrix, with w's as
+    one 2-D product; TensorFlow's own for any other shapes or an adjoint x."""
+    x, w = op.inputs
+    if op.get_attr("adj_x") or w.shape.rank != 2 or x.shape.rank is None or x.shape.rank <= 2:
+        return _TENSORFLOWS(op, grad)
+    flat_x = tf.reshape(x, [-1, tf.shape(x)[-1]])
+    flat_grad = tf.reshape(grad, [-1, tf.shape(grad)[-1]])
+    if op.get_attr("adj_y"):  # x @ w^H with w of shape (n, k).
+        return (tf.linalg.matmul(grad, w, grad_a=True),
+                tf.linalg.matmul(flat_grad, flat_x, adjoint_a=True, grad_b=True))
+    return (tf.linalg.matmul(grad, w, adjoint_b=True, grad_a=True),
+            tf.linalg.matmul(flat_x, flat_grad, adjoint_a=True, grad_b=True))
+
+
+def install() -> None:
+    """Makes `batch_times_matrix_gradient` the gradient every tape takes for `BatchMatMulV2`."""
+    ops._gradient_registry._registry[_OP_TYPE]["type"] = batch_times_matrix_gradient
