@@ -23,6 +23,20 @@ def test_a_changed_batch_policy_or_model_is_another_key(tmp_path):
     assert len(set(others)) == 4 and keys["configured"] not in others
 
 
+def test_a_changed_engine_is_another_key(tmp_path, monkeypatch):
+    """mixloop's step and gradients decide a mode's speed too: a changed engine measures again."""
+    trainer = make_trainer(tmp_path)
+    configured = compile_cache.key_of(compile_cache.setup(trainer))
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    for path in sorted(compile_cache.ENGINE_FOLDER.glob("*.py")):
+        (engine / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(compile_cache, "ENGINE_FOLDER", engine)
+    assert compile_cache.key_of(compile_cache.setup(trainer)) == configured
+    (engine / "step.py").write_text((engine / "step.py").read_text() + "\n# changed\n")
+    assert compile_cache.key_of(compile_cache.setup(trainer)) != configured
+
+
 def test_the_machine_part_names_the_cpu_and_its_flags(tmp_path):
     machine = compile_cache.setup(make_trainer(tmp_path))["machine"]
     assert machine["model"] and machine["gpus"] == []

@@ -1,31 +1,34 @@
 """The gradient of a batch of inputs times one weight matrix: one 2-D matrix product, not a product
 per batch item summed.
 
-Keras 3 on TensorFlow computes `EinsumDense` (every `MultiHeadAttention` projection, keras-hub's
-Transformers) and `ops.einsum`/`ops.matmul` of a 3-D input by a 2-D weight as `tf.matmul(x, w)`:
-one `BatchMatMulV2` with x of shape (batch..., m, k) and w of (k, n), broadcast over the batch.
-TensorFlow differentiates it for any broadcast: w's gradient is a (k, n) product per batch item,
-each of inner size m only, then summed over the batch. That costs the batch size times w's memory
-and, under a 16-bit policy, rounds every item's product to 16 bits before a 16-bit sum. Here the
+Keras 3 on TensorFlow computes an `EinsumDense` of static shapes (every `MultiHeadAttention`
+projection of a fixed sequence length, keras-hub's Transformers) as `tf.matmul(x, w)`: one
+`BatchMatMulV2` with x of shape (batch..., m, k) and w of (k, n), broadcast over the batch.
+TensorFlow differentiates it as it does any broadcast: w's gradient is a (k, n) product per batch
+item, each of inner size m only, then summed over the batch. That costs the batch size times w's
+memory and, under a 16-bit policy, rounds each item's product to 16 bits before the sum. Here the
 inputs and the output gradient are flattened to (batch * m, k) and (batch * m, n) and multiplied
-once: the same gradient, accumulated in float32 by the matrix kernel and rounded once, faster
-(charlm at width 512 in bfloat16; CHANGELOG.md). Every other case keeps TensorFlow's gradient.
+once: the same gradient, faster (charlm at width 512; CHANGELOG.md), and nearer the exact one (with
+oneDNN's kernels or XLA, accumulated in float32 and rounded once). Every other case keeps
+TensorFlow's gradient.
 
 TensorFlow's GradientTape looks a gradient up by the op's type, so this one replaces TensorFlow's
 registered `BatchMatMulV2` gradient in the process (`install`, when mixloop's step is imported),
 for every tape, as mixloop's XLA flags apply to every function. `_gradient_registry` is private to
-TensorFlow; tests/test_matmul_gradient.py fails loudly if it changes.
+TensorFlow: if it changes, TensorFlow's gradient stays (with a warning) and
+tests/test_matmul_gradient.py fails loudly.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import tensorflow as tf
+from absl import logging
 from tensorflow.python.framework import ops
+from tensorflow.python.ops import math_grad
 
 _OP_TYPE = "BatchMatMulV2"
-_TENSORFLOWS: Callable = ops._gradient_registry.lookup(_OP_TYPE)
+# TensorFlow's own, named rather than looked up: a reload of this module must not take ours for it.
+_TENSORFLOWS = math_grad._BatchMatMulV2
 
 
 def batch_times_matrix_gradient(op: tf.Operation, grad: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -45,4 +48,8 @@ def batch_times_matrix_gradient(op: tf.Operation, grad: tf.Tensor) -> tuple[tf.T
 
 def install() -> None:
     """Makes `batch_times_matrix_gradient` the gradient every tape takes for `BatchMatMulV2`."""
-    ops._gradient_registry._registry[_OP_TYPE]["type"] = batch_times_matrix_gradient
+    try:
+        ops._gradient_registry._registry[_OP_TYPE]["type"] = batch_times_matrix_gradient
+    except (AttributeError, KeyError, TypeError) as error:
+        logging.warning("Kept TensorFlow's gradient for %s: its gradient registry changed (%r)",
+                        _OP_TYPE, error)

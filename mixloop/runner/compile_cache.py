@@ -8,7 +8,8 @@ cache is one JSON file, `compile_modes.json`, in `$MIXLOOP_CACHE_DIR` (default
 `jit_compile=auto` then measures every new workdir. An entry is keyed by a hash of what decides a
 mode's speed (`setup`): the machine (CPU model and flags, GPU names), TensorFlow's version, the
 policy, the batch, its accumulation and the shapes of its elements, the XLA flags and threads, the
-config's model section and the experiment's source files, and a signature of the model (each
+config's model section, the experiment's source files and mixloop's engine (the step and the
+gradients it takes), and a signature of the model (each
 layer's class and dtype policy, each variable's path, shape and dtype). A file that cannot be read, parsed or written costs one warning line, and the run measures
 as it would without a cache.
 """
@@ -20,6 +21,7 @@ import hashlib
 import inspect
 import json
 import os
+import pathlib
 import platform
 from typing import Any, Optional
 
@@ -28,6 +30,9 @@ import tensorflow as tf
 from absl import logging
 
 from mixloop.engine.layer_precision import named_layers
+
+# mixloop's engine: its step and the gradients it takes (matmul_gradient.py), part of every key.
+ENGINE_FOLDER = pathlib.Path(__file__).resolve().parent.parent / "engine"
 
 CACHE_ENV = "MIXLOOP_CACHE_DIR"
 OFF = "off"
@@ -64,6 +69,8 @@ def setup(trainer) -> dict[str, Any]:
         "optimizer": {key: config.optimizer[key] for key in ("name", "state_dtype")},
         "trainer": [f"{type(trainer).__module__}.{type(trainer).__qualname__}",
                     _source_hash(type(trainer))],
+        # mixloop's step: a changed step or gradient may change which mode is fastest.
+        "engine": files_hash(sorted(ENGINE_FOLDER.glob("*.py"))),
         "model": json.loads(json.dumps(config.model.to_dict(), default=str)),
         "data": [(str(spec.shape), spec.dtype.name)
                  for spec in tf.nest.flatten(trainer.train_element_spec)],
@@ -84,12 +91,23 @@ def _usable_cores() -> int:
 def _source_hash(trainer_class: type) -> str:
     """A SHA-256 of the files that define `trainer_class` and its bases (the experiment's code: a
     changed `compute_loss` may change which mode is fastest, or whether XLA compiles it at all)."""
-    digest = hashlib.sha256()
-    for cls in trainer_class.__mro__:
+    def source_file(cls):
         try:
-            with open(inspect.getsourcefile(cls), "rb") as file:
+            return inspect.getsourcefile(cls)
+        except TypeError:  # A builtin.
+            return None
+    return files_hash([path for path in map(source_file, trainer_class.__mro__) if path])
+
+
+def files_hash(paths: list) -> str:
+    """A SHA-256 of the files' contents, in order; a file that cannot be read (a class defined in a
+    notebook) adds nothing."""
+    digest = hashlib.sha256()
+    for path in paths:
+        try:
+            with open(path, "rb") as file:
                 digest.update(file.read())
-        except (TypeError, OSError):  # A builtin, or a class defined in a notebook.
+        except OSError:
             continue
     return digest.hexdigest()
 
