@@ -41,7 +41,7 @@ import keras
 import tensorflow as tf
 
 from mixloop.engine import batch_loss as global_batch
-from mixloop.engine import keras_adapter, low_bit, matmul_gradient, tracing
+from mixloop.engine import gelu, keras_adapter, low_bit, matmul_gradient, tracing
 from mixloop.engine.ema import ExponentialMovingAverage
 from mixloop.engine.loss import Loss, LossContractError, as_losses, per_weight
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, LossScale, leaves_finite
@@ -49,8 +49,10 @@ from mixloop.engine.objective import SINGLE, Objective, check_objectives, with_l
 from mixloop.engine.policy import Policy
 from mixloop.errors import UserError, described
 
-# Keras's broadcast matrix products (attention projections) differentiated as one 2-D product each.
+# Keras's broadcast matrix products (attention projections) differentiated as one 2-D product each,
+# and its GELU of 16-bit inputs computed in float32, rounded once.
 matmul_gradient.install()
+gelu.install()
 
 Batch = Any
 

@@ -1,0 +1,100 @@
+"""Keras's GELU of 16-bit inputs in float32, rounded once, its gradient from the input (engine/gelu.py)."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras.src.backend.tensorflow import nn as keras_tensorflow_nn
+
+import mixloop  # noqa: F401  (importing the step installs the GELU)
+from mixloop.engine import gelu
+
+# One rounding to a 16-bit float: half its spacing, relative (7 and 10 stored mantissa bits).
+ONE_ROUNDING = {tf.bfloat16: 2.0 ** -8, tf.float16: 2.0 ** -11}
+_erfc = np.vectorize(math.erfc)
+
+
+def _exact(x: np.ndarray, approximate: bool) -> tuple[np.ndarray, np.ndarray]:
+    """GELU and its derivative at x, in float64."""
+    if approximate:
+        z = math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)
+        s = 1 / (1 + np.exp(-2 * z))
+        return x * s, s + x * s * (1 - s) * 2 * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * x ** 2)
+    cdf = 0.5 * _erfc(-x / math.sqrt(2))
+    return x * cdf, cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _value_and_slope(function, x, jit_compile=None):
+    @tf.function(jit_compile=jit_compile)
+    def differentiate(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = function(x)
+        return y, tape.gradient(y, x, output_gradients=tf.ones_like(x))
+    return [tf.cast(t, tf.float64).numpy() for t in differentiate(x)]
+
+
+def _worst_relative_error(got, want, dtype):
+    """The largest relative error where the exact value is a normal number of `dtype`."""
+    normal = (np.abs(want) >= np.finfo(dtype.as_numpy_dtype).tiny) & (np.abs(want) <= dtype.max)
+    return np.max(np.abs(got[normal] - want[normal]) / np.abs(want[normal]))
+
+
+def test_keras_computes_mixloops_gelu():
+    assert keras_tensorflow_nn.gelu is gelu.gelu
+    x = tf.constant([[-3.5, -0.7, 0.2, 2.9]], tf.bfloat16)
+    for approximate in (True, False):
+        np.testing.assert_array_equal(keras.activations.gelu(x, approximate=approximate).numpy(),
+                                      gelu.gelu(x, approximate).numpy())
+
+
+@pytest.mark.parametrize("approximate", [False, True], ids=["erf", "tanh"])
+@pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
+@pytest.mark.parametrize("jit_compile", [None, True], ids=["graph", "xla"])
+def test_16_bit_gelu_and_its_gradient_are_rounded_once(approximate, dtype, jit_compile):
+    # Below -8 the tanh approximation's float32 sigmoid underflows where its value is below 1e-20.
+    x = tf.cast(tf.linspace(-8.0, 8.0, 16_001), dtype)
+    exact_value, exact_slope = _exact(tf.cast(x, tf.float64).numpy(), approximate)
+    ours = _value_and_slope(lambda x: gelu.gelu(x, approximate), x, jit_compile)
+    # One rounding, and float32's own error (a few parts in 1e7) on top.
+    bound = ONE_ROUNDING[dtype] * (1 + 1e-4)
+    assert _worst_relative_error(ours[0], exact_value, dtype) <= bound
+    assert _worst_relative_error(ours[1], exact_slope, dtype) <= bound
+    # Keras's own rounds its steps to 16 bits: its gradient is far from the exact one somewhere.
+    keras_slope = _value_and_slope(lambda x: gelu._KERAS(x, approximate), x, jit_compile)[1]
+    assert _worst_relative_error(keras_slope, exact_slope, dtype) > 0.1
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_wider_inputs_keep_keras_gelu_bit_for_bit(dtype):
+    x = tf.cast(tf.linspace(-9.0, 9.0, 1001), dtype)
+    for approximate in (False, True):
+        ours = _value_and_slope(lambda x: gelu.gelu(x, approximate), x)
+        keras_own = _value_and_slope(lambda x: gelu._KERAS(x, approximate=approximate), x)
+        for a, b in zip(ours, keras_own):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("approximate", [False, True], ids=["erf", "tanh"])
+def test_second_derivative_through_the_recomputed_gradient(approximate):
+    """A gradient penalty differentiates the gradient: it goes through the recomputation too."""
+    x64 = np.linspace(-4.0, 4.0, 81)
+    x = tf.constant(x64, tf.float64)
+
+    @tf.function
+    def curvature(x):
+        with tf.GradientTape() as outer:
+            outer.watch(x)
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                y = tf.cast(gelu.gelu(tf.cast(x, tf.bfloat16), approximate), tf.float64)
+            slope = tf.cast(inner.gradient(y, x), tf.float64)
+        return outer.gradient(slope, x)
+
+    step = 1e-5
+    numeric = (_exact(x64 + step, approximate)[1] - _exact(x64 - step, approximate)[1]) / (2 * step)
+    # The bfloat16 input and the rounded slope: a few bfloat16 roundings of error.
+    np.testing.assert_allclose(curvature(x).numpy(), numeric, rtol=0.03, atol=0.01)
+
