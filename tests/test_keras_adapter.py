@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 from keras.src.random import seed_generator
 
-from mixloop.engine import keras_adapter
+from mixloop.engine import gelu, keras_adapter
 from mixloop.engine.layer_precision import building_under
 from mixloop.engine.policy import Policy
 from mixloop.runner import distribution
@@ -135,3 +135,21 @@ def test_another_thread_adopting_the_state_sees_the_same_global_policy_and_seed_
         assert seen[False][0] == "float32" and seen[False][1] is not generator  # Keras's own.
     finally:
         keras.config.set_dtype_policy("float32")
+
+
+def test_replace_backend_gelu_is_what_every_keras_gelu_computes():
+    calls = []
+
+    def recording_gelu(x, approximate=True):
+        calls.append(approximate)
+        return tf.nn.gelu(x, approximate=approximate)
+
+    x = tf.ones((2, 3))
+    try:
+        keras_adapter.replace_backend_gelu(recording_gelu)
+        keras.ops.gelu(x)
+        keras.activations.gelu(x)
+        keras.layers.Dense(3, activation="gelu")(x)
+    finally:
+        keras_adapter.replace_backend_gelu(gelu.gelu)
+    assert calls == [True, False, False]

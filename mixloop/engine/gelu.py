@@ -5,16 +5,18 @@ TensorFlow's chain of elementwise ops in the input's dtype, and TensorFlow diffe
 Under a 16-bit policy that rounds every intermediate to 16 bits (in bfloat16 the tanh approximation
 is 0 for every input below -3.06, where its true value is -0.003), and the forward pass keeps three
 intermediates the size of the layer's output (16 MB each in each of charlm's MLPs at width 512) for
-the backward pass to read, where the input alone would do. Here a bfloat16 or float16 input is
+the backward pass to read, where the input alone would do. Here a bfloat16 or float16 tensor is
 widened to float32, its GELU rounded once to the input's dtype, and the gradient recomputed from the
-input alone: the same function, nearer the exact values, and less to write and read (under XLA, a
+input alone: the same function, nearer the exact values, and under XLA less to write and read (a
 bfloat16 GELU's forward and backward at that size take about 35% less time, 70% less for the tanh
-approximation; CHANGELOG.md). Float32 and float64 inputs keep Keras's own, bit for bit.
+approximation; in graph mode, op by op, the tanh approximation is 7% slower; CHANGELOG.md). Every
+other input (float32, float64, ragged) gets Keras's own, bit for bit.
 
 Keras looks its backend's `gelu` up at every call, so `install` (when mixloop's step is imported)
-replaces it in the process, for every model, as `matmul_gradient` replaces a gradient. The backend
-module is private to Keras: if it changes, Keras's GELU stays (with a warning) and
-tests/test_gelu.py fails loudly.
+replaces it in the process, for every model, as `matmul_gradient` replaces a gradient. A model
+exported to `.keras` names only "gelu": loaded where mixloop is not imported, it computes Keras's
+own. The backend's name is private to Keras: it lives in `keras_adapter`, and
+tests/test_keras_adapter.py fails loudly, naming it, if a Keras release changes it.
 """
 
 from __future__ import annotations
@@ -22,16 +24,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import keras
 import tensorflow as tf
-from absl import logging
 
-try:
-    from keras.src.backend.tensorflow import nn as _keras_tensorflow_nn
-except ImportError:  # Another Keras layout: `install` keeps Keras's GELU.
-    _keras_tensorflow_nn = None
+from mixloop.engine import keras_adapter
 
-# Keras's own, named rather than looked up: a reload of this module must not take ours for it.
-_KERAS = getattr(_keras_tensorflow_nn, "gelu", None)
 _SIXTEEN_BIT = (tf.bfloat16, tf.float16)
 _SQRT_HALF = math.sqrt(0.5)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
@@ -39,13 +36,13 @@ _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 _CUBIC = 0.044715  # The tanh approximation's cubic coefficient (Hendrycks and Gimpel 2016).
 
 
-def gelu(x: Any, approximate: bool = True) -> tf.Tensor:
-    """Keras's backend `gelu(x, approximate)`: for a bfloat16 or float16 x, `x * Phi(x)` (the
-    tanh approximation with `approximate`) in float32, rounded once; Keras's own for other dtypes."""
-    x = tf.convert_to_tensor(x)
-    if x.dtype not in _SIXTEEN_BIT:
-        return _KERAS(x, approximate=approximate)
-    return _tanh_gelu(x) if approximate else _erf_gelu(x)
+def gelu(x: Any, approximate: bool = True) -> Any:
+    """Keras's backend `gelu(x, approximate)`: for a bfloat16 or float16 tensor, `x * Phi(x)` (the
+    tanh approximation with `approximate`) in float32, rounded once; Keras's own for the rest."""
+    x = keras.ops.convert_to_tensor(x)
+    if isinstance(x, tf.Tensor) and x.dtype in _SIXTEEN_BIT:
+        return _tanh_gelu(x) if approximate else _erf_gelu(x)
+    return tf.nn.gelu(x, approximate=approximate)  # What Keras's backend computes.
 
 
 def _widened(x: tf.Tensor) -> tf.Tensor:
@@ -59,7 +56,9 @@ def _erf_gelu(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[tf.Tensor], tf.Tensor]
     output = 0.5 * wide * tf.math.erfc(-wide * _SQRT_HALF)
 
     def gradient(upstream: tf.Tensor) -> tf.Tensor:
-        wide = _widened(x)  # From the 16-bit input: the forward's float32 copy is not kept.
+        # From the 16-bit input again: naming the forward's `wide` here would keep its float32
+        # copy alive until the backward pass.
+        wide = _widened(x)
         slope = (0.5 * tf.math.erfc(-wide * _SQRT_HALF)
                  + wide * tf.exp(-0.5 * wide * wide) * _INV_SQRT_2PI)
         return tf.cast(_widened(upstream) * slope, x.dtype)
@@ -89,8 +88,5 @@ def _tanh_argument(wide: tf.Tensor) -> tf.Tensor:
 
 
 def install() -> None:
-    """Makes `gelu` the one Keras's TensorFlow backend computes for every `gelu` activation."""
-    if _KERAS is None:
-        logging.warning("Kept Keras's gelu: its TensorFlow backend has no nn.gelu here")
-        return
-    _keras_tensorflow_nn.gelu = gelu
+    """Makes `gelu` the GELU Keras's TensorFlow backend computes for every model."""
+    keras_adapter.replace_backend_gelu(gelu)

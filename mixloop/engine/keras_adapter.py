@@ -6,8 +6,11 @@ instead of a layer silently computing in the wrong dtype or gradients being summ
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import keras
 from keras.src.backend.common import global_state
+from keras.src.backend.tensorflow import nn as tensorflow_backend_nn
 
 
 def sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
@@ -74,3 +77,9 @@ def reading_variables_as(dtype: str):
     enters around a mixed-precision layer's call (its `AutocastScope`), here for a layer computing
     in float32 whose weights are stored in bfloat16."""
     return keras.src.backend.AutocastScope(dtype)
+
+
+def replace_backend_gelu(gelu: Callable[[Any, bool], Any]) -> None:
+    """Makes `gelu(x, approximate)` the GELU of Keras's TensorFlow backend, which `keras.ops.gelu`,
+    `keras.activations.gelu` and every `activation="gelu"` look up at each call."""
+    tensorflow_backend_nn.gelu = gelu
