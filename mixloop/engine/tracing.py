@@ -1,14 +1,13 @@
-"""Tracing: mixloop's own code is traced as written; only the experiment's hooks go through AutoGraph.
+"""Tracing: mixloop's code is traced as written; only the experiment's hooks go through AutoGraph.
 
 mixloop's step and loop spell their control flow out (`tf.cond`, `tf.while_loop`), so AutoGraph has
 nothing to convert in them, yet converting their hundred functions cost each process seconds before
 its first update (CHANGELOG.md gives the figures and the command). The experiment's hooks
 (`compute_loss`, `model_inputs`, `eval_metrics`, an objective's `after_update`) are converted while
-traced, as inside a `tf.function`: Python `if`/`for`
-over tensors become graph control flow, and an error raised in them names the experiment's lines
-('in user code: ...'). Keras's own `fit` traces its step without AutoGraph too. `ag_ctx` is
-TensorFlow's private module for AutoGraph's on/off status; tests/test_tracing.py fails loudly if it
-changes.
+traced, as inside a `tf.function`: Python `if`/`for` over tensors become graph control flow, and an
+error raised in them names the experiment's lines ('in user code: ...'). Keras's own `fit` traces
+its step without AutoGraph too. `ag_ctx` is TensorFlow's private module for AutoGraph's on/off
+status; tests/test_tracing.py fails loudly if it changes.
 """
 
 from __future__ import annotations

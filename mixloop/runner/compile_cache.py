@@ -8,10 +8,10 @@ cache is one JSON file, `compile_modes.json`, in `$MIXLOOP_CACHE_DIR` (default
 `jit_compile=auto` then measures every new workdir. An entry is keyed by a hash of what decides a
 mode's speed (`setup`): the machine (CPU model and flags, GPU names), TensorFlow's version, the
 policy, the batch, its accumulation and the shapes of its elements, the XLA flags and threads, the
-config's model section, the experiment's source files and mixloop's engine (the step and the
-gradients it takes), and a signature of the model (each
-layer's class and dtype policy, each variable's path, shape and dtype). A file that cannot be read, parsed or written costs one warning line, and the run measures
-as it would without a cache.
+config's model section, the experiment's source files and mixloop's engine (the step, the
+gradients it takes, its GELU), and a signature of the model (each layer's class and dtype policy,
+each variable's path, shape and dtype). A file that cannot be read, parsed or written costs one
+warning line, and the run measures as it would without a cache.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from absl import logging
 
 from mixloop.engine.layer_precision import named_layers
 
-# mixloop's engine: its step and the gradients it takes (matmul_gradient.py), part of every key.
+# mixloop's engine: its step, the gradients it takes and its GELU (engine/*.py), part of every key.
 ENGINE_FOLDER = pathlib.Path(__file__).resolve().parent.parent / "engine"
 
 CACHE_ENV = "MIXLOOP_CACHE_DIR"
