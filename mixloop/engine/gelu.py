@@ -49,16 +49,23 @@ def _widened(x: tf.Tensor) -> tf.Tensor:
     return tf.cast(x, tf.float32)
 
 
+def _recomputed(x: tf.Tensor, upstream: tf.Tensor) -> tf.Tensor:
+    """x widened again for the backward pass, once `upstream` exists. Widened without waiting,
+    Grappler merges it and what follows with the forward pass's identical ops (`tf.recompute_grad`
+    waits likewise), which kept two float32 tensors the size of the layer's output alive from the
+    forward pass to the backward one: charlm's peak at width 512 was 5% above Keras's GELU's."""
+    with tf.control_dependencies([upstream]):
+        return _widened(tf.identity(x))
+
+
 @tf.custom_gradient
 def _erf_gelu(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[tf.Tensor], tf.Tensor]]:
-    """x * Phi(x), Phi the standard normal's CDF as erfc (accurate far below zero, as TensorFlow's)."""
+    """x * Phi(x), Phi the normal CDF, from erfc (accurate far below zero, as TensorFlow's)."""
     wide = _widened(x)
     output = 0.5 * wide * tf.math.erfc(-wide * _SQRT_HALF)
 
     def gradient(upstream: tf.Tensor) -> tf.Tensor:
-        # From the 16-bit input again: naming the forward's `wide` here would keep its float32
-        # copy alive until the backward pass.
-        wide = _widened(x)
+        wide = _recomputed(x, upstream)
         slope = (0.5 * tf.math.erfc(-wide * _SQRT_HALF)
                  + wide * tf.exp(-0.5 * wide * wide) * _INV_SQRT_2PI)
         return tf.cast(_widened(upstream) * slope, x.dtype)
@@ -74,7 +81,7 @@ def _tanh_gelu(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[tf.Tensor], tf.Tensor
     output = wide * tf.sigmoid(_tanh_argument(wide) * 2.0)
 
     def gradient(upstream: tf.Tensor) -> tf.Tensor:
-        wide = _widened(x)
+        wide = _recomputed(x, upstream)
         half_plus_half_tanh = tf.sigmoid(_tanh_argument(wide) * 2.0)
         slope = half_plus_half_tanh + wide * half_plus_half_tanh * (1.0 - half_plus_half_tanh) * (
             2 * _SQRT_2_OVER_PI) * (1.0 + 3 * _CUBIC * wide * wide)
