@@ -18,17 +18,18 @@ and the lighter run (bfloat16 master weights, int8 Adam moments, bfloat16 accumu
         --config.precision.master_weights=bfloat16 --config.optimizer.state_dtype=int8 \\
         --config.train.accumulation_dtype=bfloat16
 
-Expect, on 2 CPU cores (measured on a shared machine with --config.jit_compile=False, the loop in
-graph mode, so the times are loose): 3.5-7.5 minutes for 600 updates of a 0.44M-parameter model
-(2-4.7 updates/s; eval over the whole eval text takes about 20 s), and eval 2.70-2.89 bits per
-character, against 4.55 bits for the unigram entropy the Trainer logs. The seed moves the result
-more than the precision does (a run is deterministic for its seed): over seeds 0-2, float32 ends at
-2.699 / 2.817 / 2.812 (mean 2.776), mixed_bfloat16 at 2.730 / 2.855 / 2.860 (mean 2.815, +1.4%), and
-the lighter run at 2.780 / 2.760 / 2.879 (mean 2.806, +1.1%; over seeds 0-4, 2.831 against 2.796,
-+1.2%), its start line `persistent state 6.08 B/param (weights 2.00, optimizer state 2.08,
-accumulators 2.00, EMA 0.00)` against float32's 16.00. Peak resident set size is about 1.15 GB in
-float32, 1.12 GB in mixed_bfloat16 and 1.18 GB for the lighter run: at this size the runtime, not the
-7 MB of state, is the peak.
+Expect, on 2 CPU cores (measured with --config.jit_compile=False, the loop in graph mode, two runs
+at a time on a 2-core AMD EPYC, so the times are loose): 1.5-2.5 minutes for 600 updates of a
+0.44M-parameter model (50 s for a run alone; eval over the whole eval text takes about 20 s), and
+eval 2.74-3.09 bits per character, against 4.55 bits for the unigram entropy the Trainer logs. The
+seed moves the result more than the precision does (a run is deterministic for its seed, and a
+change that rounds one sum differently moves it by up to 0.2 bits): over seeds 0-2, float32 ends
+at 2.824 / 2.797 / 2.902 (mean 2.841), mixed_bfloat16 at 2.826 / 2.897 / 2.915 (mean 2.879,
++1.4%), and the lighter run at 2.740 / 2.805 / 3.093 (mean 2.880, +1.4%), its start line
+`persistent state 6.08 B/param (weights 2.00, optimizer state 2.08, accumulators 2.00, EMA 0.00)`
+against float32's 16.00. Peak resident set size is about 1.17 GB in float32, 1.14 GB in
+mixed_bfloat16 and 1.21 GB for the lighter run: at this size the runtime, not the 7 MB of state,
+is the peak.
 The `quick` variant runs 40 updates of a one-block model in under a minute (45 s measured, most
 of it tracing the loop) and ends near 4.7 bits per character on its few eval batches. Measured with Python 3.11's standard
 library, as charlm.
