@@ -116,7 +116,8 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.beta_2 = 0.999  # Adam(W).
     config.optimizer.epsilon = 1e-7  # Adam(W).
     # What Adam(W)'s moments are stored in: float32, bfloat16 (rounded stochastically) or int8
-    # (block-wise dynamic quantization, 256 values per float32 scale; small tensors stay float32).
+    # (block-wise dynamic quantization, 256 values per float32 scale; small tensors and embedding
+    # tables stay float32).
     config.optimizer.state_dtype = "float32"
 
     config.eval = ml_collections.ConfigDict()

@@ -3,6 +3,7 @@ int8 round trips within the code book's bound, unbiased and reproducible stochas
 Adam(W)/SGD numbers reproduced, low-bit state tracking float32 Adam, tiny updates kept by bfloat16
 weights, checkpoints restored bit-identically, and build_optimizer's choice."""
 
+import math
 import re
 
 import keras
@@ -13,7 +14,7 @@ import tensorflow as tf
 import mixloop
 from mixloop.config import base_config
 from mixloop.engine import low_bit
-from mixloop.engine.compact_optimizer import CompactAdam, CompactAdamW, CompactSGD
+from mixloop.engine.compact_optimizer import CompactAdam, CompactAdamW, CompactSGD, quantizes_moments
 
 JIT = pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 BF16_ULP_AT_1 = 2.0**-7  # The gap between 1 and the next bfloat16.
@@ -298,6 +299,35 @@ def test_a_variable_overwritten_with_its_gradient_is_left_to_keras():
     run(optimizer, [weights, scale], [[tf.ones(5000), tf.constant(3.0)]])
     assert float(scale.numpy()) == 3.0 and np.all(weights.numpy() < 1.0)
     assert not any(v.name.startswith("scale") for v in optimizer.variables)
+
+
+def test_int8_keeps_float32_moments_for_embedding_tables():
+    """Keras's tables (a plain Embedding, keras-hub's tied ReversibleEmbedding and its
+    PositionEmbedding) keep float32 moments, as Hugging Face's Trainer keeps them in 32 bits under
+    bitsandbytes; a Dense kernel of the same size is quantized."""
+    keras_hub = pytest.importorskip("keras_hub")
+    from keras_hub.layers import PositionEmbedding, ReversibleEmbedding
+
+    tokens = keras.ops.zeros([2, 64], "int32")
+    plain, tied = keras.layers.Embedding(256, 64), ReversibleEmbedding(256, 64)
+    position = PositionEmbedding(sequence_length=256)
+    position(tied(tokens))
+    plain(tokens)
+    dense = keras.layers.Dense(64)
+    dense.build((None, 256))
+    tables = [plain.embeddings, tied.embeddings, position.position_embeddings]
+    variables = tables + [dense.kernel]
+    assert {math.prod(v.shape) for v in variables} == {256 * 64}  # Each above MIN_QUANTIZED_SIZE.
+
+    optimizer = CompactAdam(1e-3, state_dtype="int8")
+    optimizer.build(variables)
+    stored = {v.name: v.dtype for v in optimizer.variables}
+    for table in tables:
+        assert not quantizes_moments(table)
+        path = table.path.replace("/", "_")
+        assert stored[f"{path}_momentum"] == stored[f"{path}_velocity"] == "float32", stored
+    assert quantizes_moments(dense.kernel)
+    assert stored["dense_kernel_momentum_codes"] == "uint8", stored
 
 
 def built_optimizer(**fields):

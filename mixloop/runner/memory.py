@@ -26,7 +26,7 @@ import keras
 import tensorflow as tf
 
 from mixloop.engine import lighter_model, low_bit
-from mixloop.engine.compact_optimizer import MIN_QUANTIZED_SIZE
+from mixloop.engine.compact_optimizer import quantizes_moments
 
 PARTS = ("weights", "optimizer state", "accumulators", "EMA")  # In the order the line shows them.
 _ACCELERATORS = ("GPU", "TPU")
@@ -128,8 +128,8 @@ def lighter_options(trainer: Any) -> list[LighterOption]:
       optimizer.state_dtype=bfloat16, =int8: with optimizer.name adam or adamw, each Adam(W)
         optimizer's two moments per variable as `engine.compact_optimizer.CompactAdam` stores them:
         2 bytes a value in bfloat16; in int8 one uint8 code a value padded to whole blocks of
-        `low_bit.BLOCK_SIZE` plus a float32 scale a block, but 4 bytes a value for tensors under
-        `MIN_QUANTIZED_SIZE` values.
+        `low_bit.BLOCK_SIZE` plus a float32 scale a block, but 4 bytes a value for what
+        `CompactAdam` keeps in float32 (small tensors, embedding tables: `quantizes_moments`).
       train.accumulation_dtype=bfloat16: with accumulation_steps > 1, 2 bytes an accumulated value.
     Bytes only: what the settings do to the loss is not measured here.
     """
@@ -154,7 +154,7 @@ def lighter_options(trainer: Any) -> list[LighterOption]:
         accumulated = [v for objective in trainer.objectives.values() for v in objective.variables]
         options.append(_lightened(current, "train.accumulation_dtype", _BFLOAT16,
                                   num_elements(accumulated) * 2))
-    # int8 moments save nothing where every tensor is under MIN_QUANTIZED_SIZE values, and weigh
+    # int8 moments save nothing where no tensor is quantized (`quantizes_moments`), and weigh
     # more than bfloat16 ones where most values are in such tensors.
     options = [option for option in options if option.state.total_bytes < current.total_bytes]
     return options + _together(options)
@@ -194,8 +194,8 @@ def _moment_bytes(variable: Any, state_dtype: str) -> int:
     size = math.prod(variable.shape)
     if state_dtype != "int8":
         return size * tf.as_dtype(state_dtype).size
-    if size < MIN_QUANTIZED_SIZE:
-        return size * 4  # A small tensor keeps float32 moments.
+    if not quantizes_moments(variable):
+        return size * 4  # A small tensor or an embedding table keeps float32 moments.
     blocks = low_bit.num_blocks(size)
     return blocks * low_bit.BLOCK_SIZE + blocks * 4  # A uint8 code a value; a float32 scale a block.
 
