@@ -96,7 +96,8 @@ def test_quick_trains_lighter_than_float32(gpt2_bytes, tmp_path):
     config = gpt2_bytes.get_config("quick")
     float32 = float32_bytes_per_parameter(config)
     # Every weight and accumulator in bfloat16; the moments in int8 codes with float32 block scales
-    # (small tensors stay float32): less than float32's, more than one byte a moment.
+    # (small tensors and the embedding tables stay float32): less than float32's, more than one byte
+    # a moment.
     assert parts["weights"] == tf.bfloat16.size
     assert parts["accumulators"] == float32["accumulators"] / 2 > 0
     assert ADAM_MOMENTS * tf.int8.size < parts["optimizer state"] < float32["optimizer state"]
