@@ -327,7 +327,7 @@ def test_int8_keeps_float32_moments_for_embedding_tables():
         path = table.path.replace("/", "_")
         assert stored[f"{path}_momentum"] == stored[f"{path}_velocity"] == "float32", stored
     assert quantizes_moments(dense.kernel)
-    assert stored["dense_kernel_momentum_codes"] == "uint8", stored
+    assert stored[f"{dense.kernel.path.replace('/', '_')}_momentum_codes"] == "uint8", stored
 
 
 def built_optimizer(**fields):

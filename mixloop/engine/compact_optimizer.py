@@ -29,16 +29,17 @@ int8 moments are stored block-wise (`low_bit.quantize_blockwise`: uint8 codes an
 per 256 values), the first moment on the signed code book, the second on the unsigned one. Tensors
 of fewer than 4096 values (biases, normalization scales) keep float32 moments, as in bitsandbytes
 and torchao: they are a small share of the state, and the most sensitive to its rounding. So do
-embedding tables, as Hugging Face's Trainer keeps every embedding's state in 32 bits under
-bitsandbytes' 8-bit Adam (Dettmers et al. 2021 made their Stable Embedding for the same reason: a
-token's row is updated as often as the token occurs). Quantized, with bfloat16 weights, a tied
-embedding's table cost keras-hub's GPT-2 2% of its final loss (experiments/gpt2_bytes.py).
+embedding tables, told by their variable's name (`EMBEDDING_TABLE_NAME`), as Hugging Face's Trainer
+keeps every embedding's state in 32 bits under bitsandbytes' 8-bit optimizers (whose Stable
+Embedding, Dettmers et al. 2021, answers the uneven frequency of tokens). Quantized, with bfloat16
+weights, its tables cost keras-hub's GPT-2 2% of its final loss (experiments/gpt2_bytes.py).
 """
 
 from __future__ import annotations
 
+import math
+
 import keras
-import numpy as np
 import tensorflow as tf
 
 from mixloop.config import STORAGE_DTYPES
@@ -56,8 +57,7 @@ _WEIGHT, _FIRST_MOMENT, _SECOND_MOMENT = 0, 1, 2
 def quantizes_moments(variable: keras.Variable) -> bool:
     """Whether `state_dtype="int8"` stores `variable`'s moments quantized: not for a tensor of fewer
     than `MIN_QUANTIZED_SIZE` values, nor for an embedding table (the module docstring)."""
-    return (int(np.prod(variable.shape)) >= MIN_QUANTIZED_SIZE
-            and variable.name != EMBEDDING_TABLE_NAME)
+    return math.prod(variable.shape) >= MIN_QUANTIZED_SIZE and variable.name != EMBEDDING_TABLE_NAME
 
 
 def store(variable: tf.Variable, value: tf.Tensor, seed: tf.Tensor) -> list[tf.Tensor]:
@@ -189,7 +189,7 @@ class CompactAdam(_LowBitUpdates, keras.optimizers.Adam):
         if self.state_dtype != "int8" or not quantizes_moments(variable):
             dtype = "bfloat16" if self.state_dtype == "bfloat16" else "float32"
             return _Plain(self._state_variable(variable, name, variable.shape, dtype))
-        blocks = low_bit.num_blocks(int(np.prod(variable.shape)))
+        blocks = low_bit.num_blocks(math.prod(variable.shape))
         codes = self._state_variable(variable, f"{name}_codes", (blocks, low_bit.BLOCK_SIZE), "uint8")
         scales = self._state_variable(variable, f"{name}_scales", (blocks,), "float32")
         return _Blockwise(codes, scales, tuple(variable.shape), signed)

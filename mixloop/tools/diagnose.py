@@ -308,8 +308,8 @@ def format_memory(current: PersistentState, options: list[LighterOption]) -> str
              *textwrap.wrap(
                  "Bytes counted from the variables' shapes, not accuracy measured: the doctor does not "
                  f"train with these settings. int8 moments keep float32 for tensors under "
-                 f"{MIN_QUANTIZED_SIZE:,} values. What each costs and how it keeps float32's results: "
-                 "docs/memory.md.", width=100),
+                 f"{MIN_QUANTIZED_SIZE:,} values and for embedding tables. What each costs and how it "
+                 "keeps float32's results: docs/memory.md.", width=100),
              f"  {current.describe()}"]
     single = [option for option in options if len(option.settings) == 1]
     together = [option for option in options if len(option.settings) > 1]
