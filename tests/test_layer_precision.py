@@ -70,7 +70,7 @@ def make_step(build_fn, policy_name, float32_layers="", optimizer=None, loss_fn=
 def traced_ops(step, batch):
     """(op type, op name, data dtype) for every op of the compiled step, including those inside
     conditional branches and loop bodies, which live in the graph's function library."""
-    graph_def = step._compiled.get_concrete_function(batch).graph.as_graph_def()
+    graph_def = step.compiled.get_concrete_function(batch).graph.as_graph_def()
     nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
     return [(n.op, n.name, _data_dtype(n)) for n in nodes]
 

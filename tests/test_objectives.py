@@ -239,7 +239,7 @@ def collective_ops(step, strategy):
                                    tf.TensorSpec([BATCH])))
     batch = next(iter(distribution.distribute(strategy, lambda: dataset, BATCH)))
     step(batch)
-    graph = step._compiled.get_concrete_function(batch).graph
+    graph = step.compiled.get_concrete_function(batch).graph
     return [op.type for op in graph.get_operations() if op.type.startswith("Collective")]
 
 
@@ -262,9 +262,8 @@ def test_two_objectives_communicate_no_more_than_one():
 
 def test_a_dict_without_every_objective_is_one_line_naming_the_keys():
     strategy = tf.distribute.get_strategy()
-    step = build_two_objective_step(strategy)
-    step.loss_fn = lambda outputs, batch: {"a": two_losses(outputs, batch)["a"]}
-    step._traced_metric_names = None
+    step = build_two_objective_step(
+        strategy, loss_fn=lambda outputs, batch: {"a": two_losses(outputs, batch)["a"]})
     with pytest.raises(LossContractError, match=r"keys \['a', 'b'\]; got \['a'\]"):
         step(next(batches()))
 

@@ -741,14 +741,13 @@ def test_with_xla_no_while_loop_is_inside_a_compiled_function(num_micro_batches,
                      loss_scale=DynamicLossScale(), overflow_retries=2)  # Nor the retry loop.
     batch = regression_batch()
     step(batch)
-    step_graph = step._compiled.get_concrete_function(batch).graph
-    compiled = [step_graph] if step._compiled._jit_compile else []
+    step_graph = step.compiled.get_concrete_function(batch, tf.constant(0)).graph  # Attempt 0.
+    compiled = [step_graph] if step.compiled._jit_compile else []
     if num_micro_batches > 1:
-        for name in ("forward", "add_backward") if batch_loss else ("add_micro_batch",):
-            body = step._body(name)
-            assert body._jit_compile and not step._compiled._jit_compile
+        for index, body in enumerate(step.gradient_source.bodies):
+            assert body._jit_compile and not step.compiled._jit_compile
             concrete = body._list_all_concrete_functions_for_serialization()
-            assert concrete, name  # Traced: the loop runs it.
+            assert concrete, index  # Traced: the loop runs it.
             compiled += [function.graph for function in concrete]
     assert compiled  # Something compiles with XLA,
     for graph in compiled:  # and none of it holds a loop.

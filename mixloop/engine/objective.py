@@ -20,6 +20,7 @@ import re
 from typing import Callable, Mapping, Optional
 
 import keras
+import tensorflow as tf
 
 from mixloop.engine.loss_scale import LossScale
 from mixloop.errors import UserError
@@ -66,13 +67,6 @@ class Objective:
     def variables(self) -> list:
         """The variables the optimizer updates (the float32 master weights)."""
         return list(self.layer.trainable_variables)
-
-    @property
-    def overwritten(self) -> list[bool]:
-        """Per variable: Keras overwrites it with its "gradient" (`overwrite_with_gradient`: float8's
-        scales and amax histories), which is its new value, not a derivative. The step never scales,
-        weights, sums, clips or averages these: it combines them by maximum, as Keras does."""
-        return [bool(getattr(v, "overwrite_with_gradient", False)) for v in self.variables]
 
     @property
     def state(self) -> list:
@@ -138,3 +132,11 @@ def with_loss_scales(objectives: dict[str, Objective],
             else dataclasses.replace(objective, loss_scale=make_loss_scale())
             for name, objective in objectives.items()}
 
+
+
+def due_at(objectives: Mapping[str, Objective], step_number: tf.Tensor) -> dict[str, Optional[tf.Tensor]]:
+    """Per objective, whether update `step_number` is one of its (a bool tensor), or None for an
+    objective updated on every step (no conditional in the graph)."""
+    return {name: None if objective.every_steps == 1
+            else tf.equal(step_number % objective.every_steps, 0)
+            for name, objective in objectives.items()}
