@@ -8,12 +8,19 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import mixloop  # noqa: F401  (importing the step installs the GELU)
-from mixloop.engine import gelu
+from mixloop.engine import gelu, kernels
 
 # One rounding to a 16-bit float: half its spacing, relative (7 and 10 stored mantissa bits).
 ONE_ROUNDING = {tf.bfloat16: 2.0 ** -8, tf.float16: 2.0 ** -11}
 _erfc = np.vectorize(math.erfc)
+
+
+@pytest.fixture(autouse=True)
+def mixloops_kernels():
+    """Each test examines mixloop's GELU as mixloop's own traces see it: installed
+    (engine/kernels.py; tests/test_kernels.py checks that nothing else does)."""
+    with kernels.installed():
+        yield
 
 
 def _exact(x: np.ndarray, approximate: bool) -> tuple[np.ndarray, np.ndarray]:

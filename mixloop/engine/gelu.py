@@ -4,19 +4,18 @@ Keras 3 on TensorFlow computes `gelu` (`Dense(activation="gelu")`, keras-hub's T
 TensorFlow's chain of elementwise ops in the input's dtype, and TensorFlow differentiates each op.
 Under a 16-bit policy that rounds every intermediate to 16 bits (in bfloat16 the tanh approximation
 is 0 for every input below -3.06, where its true value is -0.003), and the forward pass keeps three
-intermediates the size of the layer's output (16 MB each in each of charlm's MLPs at width 512) for
-the backward pass to read, where the input alone would do. Here a bfloat16 or float16 tensor is
-widened to float32, its GELU rounded once to the input's dtype, and the gradient recomputed from the
-input alone: the same function, nearer the exact values, and under XLA less to write and read
-(charlm at width 512 in bfloat16: 1-8% faster, its peak 6-8% lower; in graph mode, op by op, the
-tanh approximation is 7% slower; CHANGELOG.md). Every other input (float32, float64, ragged) gets
-Keras's own, bit for bit.
+intermediates the size of the layer's output for the backward pass to read, where the input alone
+would do. Here a bfloat16 or float16 tensor is widened to float32, its GELU rounded once to the
+input's dtype, and the gradient recomputed from the input alone: the same function, nearer the
+exact values, and under XLA less to write and read (docs/speed.md has the figures). Every other
+input (float32, float64, ragged) gets Keras's own, bit for bit.
 
-Keras looks its backend's `gelu` up at every call, so `install` (when mixloop's step is imported)
-replaces it in the process, for every model, as `matmul_gradient` replaces a gradient. A model
-exported to `.keras` names only "gelu": loaded where mixloop is not imported, it computes Keras's
-own. The backend's name is private to Keras: it lives in `keras_adapter`, and
-tests/test_keras_adapter.py fails loudly, naming it, if a Keras release changes it.
+Keras looks its backend's `gelu` up at every call, so this one is its backend's only while
+mixloop's own functions trace (engine/kernels.py), and Keras's is put back after: a user's own
+model in the same process computes Keras's. A model exported to `.keras` names only "gelu": loaded
+anywhere, it computes Keras's own. The backend's name is private to Keras: it lives in
+`keras_adapter`, and tests/engine/test_keras_adapter.py fails loudly, naming it, if a Keras release
+changes it.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def _recomputed(x: tf.Tensor, upstream: tf.Tensor) -> tf.Tensor:
     """x widened again for the backward pass, once `upstream` exists. Widened without waiting,
     Grappler merges it and what follows with the forward pass's identical ops (`tf.recompute_grad`
     waits likewise), which kept two float32 tensors the size of the layer's output alive from the
-    forward pass to the backward one: charlm's peak at width 512 was 5% above Keras's GELU's."""
+    forward pass to the backward one."""
     with tf.control_dependencies([upstream]):
         return _widened(tf.identity(x))
 
@@ -94,6 +93,7 @@ def _tanh_argument(wide: tf.Tensor) -> tf.Tensor:
     return _SQRT_2_OVER_PI * (wide + _CUBIC * wide * wide * wide)
 
 
-def install() -> None:
-    """Makes `gelu` the GELU Keras's TensorFlow backend computes for every model."""
-    keras_adapter.replace_backend_gelu(gelu)
+def install(function: Callable[[Any, bool], Any] = gelu) -> Callable[[Any, bool], Any]:
+    """Makes `function` the GELU Keras's TensorFlow backend computes; returns the one it replaced
+    (for `install(previous)` to put back)."""
+    return keras_adapter.replace_backend_gelu(function)

@@ -79,7 +79,9 @@ def reading_variables_as(dtype: str):
     return keras.src.backend.AutocastScope(dtype)
 
 
-def replace_backend_gelu(gelu: Callable[[Any, bool], Any]) -> None:
+def replace_backend_gelu(gelu: Callable[[Any, bool], Any]) -> Callable[[Any, bool], Any]:
     """Makes `gelu(x, approximate)` the GELU of Keras's TensorFlow backend, which `keras.ops.gelu`,
-    `keras.activations.gelu` and every `activation="gelu"` look up at each call."""
-    tensorflow_backend_nn.gelu = gelu
+    `keras.activations.gelu` and every `activation="gelu"` look up at each call; returns the one
+    it replaced."""
+    previous, tensorflow_backend_nn.gelu = tensorflow_backend_nn.gelu, gelu
+    return previous

@@ -12,14 +12,16 @@ once: the same gradient, faster (charlm at width 512; CHANGELOG.md), and nearer 
 oneDNN's kernels or XLA, accumulated in float32 and rounded once). Every other case keeps
 TensorFlow's gradient.
 
-TensorFlow's GradientTape looks a gradient up by the op's type, so this one replaces TensorFlow's
-registered `BatchMatMulV2` gradient in the process (`install`, when mixloop's step is imported),
-for every tape, as mixloop's XLA flags apply to every function. `_gradient_registry` is private to
-TensorFlow: if it changes, TensorFlow's gradient stays (with a warning) and
-tests/test_matmul_gradient.py fails loudly.
+TensorFlow's GradientTape looks a gradient up by the op's type when it differentiates, so this one
+is registered for `BatchMatMulV2` only while mixloop's own functions trace (engine/kernels.py), and
+TensorFlow's is put back after: a user's own computation in the same process keeps TensorFlow's.
+`_gradient_registry` is private to TensorFlow: if it changes, TensorFlow's gradient stays (with a
+warning) and tests/engine/test_matmul_gradient.py fails loudly.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Optional
 
 import tensorflow as tf
 from absl import logging
@@ -46,10 +48,14 @@ def batch_times_matrix_gradient(op: tf.Operation, grad: tf.Tensor) -> tuple[tf.T
             tf.linalg.matmul(flat_x, flat_grad, adjoint_a=True, grad_b=True))
 
 
-def install() -> None:
-    """Makes `batch_times_matrix_gradient` the gradient every tape takes for `BatchMatMulV2`."""
+def install(gradient: Callable[..., Any] = batch_times_matrix_gradient) -> Optional[Callable[..., Any]]:
+    """Makes `gradient` the one every tape takes for `BatchMatMulV2`; returns the one it replaced
+    (for `install(previous)` to put back), or None when the registry changed and nothing moved."""
     try:
-        ops._gradient_registry._registry[_OP_TYPE]["type"] = batch_times_matrix_gradient
+        entry = ops._gradient_registry._registry[_OP_TYPE]
+        previous, entry["type"] = entry["type"], gradient
+        return previous
     except (AttributeError, KeyError, TypeError) as error:
         logging.warning("Kept TensorFlow's gradient for %s: its gradient registry changed (%r)",
                         _OP_TYPE, error)
+        return None

@@ -1,8 +1,10 @@
-"""Tracing: mixloop's code is traced as written; only the experiment's hooks go through AutoGraph.
+"""Tracing: mixloop's code is traced as written, with mixloop's kernels; only the experiment's hooks go
+through AutoGraph.
 
 mixloop's step and loop spell their control flow out (`tf.cond`, `tf.while_loop`), so AutoGraph has
 nothing to convert in them, yet converting their hundred functions cost each process seconds before
-its first update (CHANGELOG.md gives the figures and the command). The experiment's hooks
+its first update (CHANGELOG.md). Each traces inside `kernels.installed()`: mixloop's matrix-product
+gradient and GELU apply to what mixloop traces, and to nothing else in the process. The experiment's hooks
 (`compute_loss`, `model_inputs`, `eval_metrics`, an objective's `after_update`) are converted while
 traced, as inside a `tf.function`: Python `if`/`for` over tensors become graph control flow, and an
 error raised in them names the experiment's lines ('in user code: ...'). Keras's own `fit` traces
@@ -18,6 +20,7 @@ from typing import Any, Callable, TypeVar
 import tensorflow as tf
 from tensorflow.python.autograph.core import ag_ctx
 
+from mixloop.engine import kernels
 from mixloop.errors import UserError
 
 Hook = TypeVar("Hook", bound=Callable[..., Any])
@@ -26,8 +29,9 @@ _CONVERT = ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED)
 
 
 def function(fn: Callable[..., Any], **options: Any) -> tf.types.experimental.PolymorphicFunction:
-    """`tf.function(fn, **options)` for mixloop's own code: traced as written, without AutoGraph."""
-    return tf.function(fn, autograph=False, **options)
+    """`tf.function(fn, **options)` for mixloop's own code: traced as written, without AutoGraph,
+    with mixloop's kernels in place while it traces."""
+    return tf.function(kernels.used(fn), autograph=False, **options)
 
 
 def hook(fn: Hook) -> Hook:
