@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from typing import Any, Optional
+from typing import Any
 
 import ml_collections
 from ml_collections.config_dict import FieldReference
 
+from mixloop.engine.compact_optimizer import STATE_DTYPES
 from mixloop.engine.policy import Policy
-from mixloop.errors import UserError
+from mixloop.errors import ConfigError
 
 # Sections the experiment owns: any keys are allowed there.
 FREE_FORM_SECTIONS = ("model", "data")
@@ -26,7 +27,7 @@ POLICIES = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 STORAGE_DTYPES = {  # What each low-precision storage key allows.
-    "optimizer.state_dtype": ("float32", "bfloat16", "int8"),
+    "optimizer.state_dtype": STATE_DTYPES,
     "precision.master_weights": ("float32", "bfloat16"),
     "train.accumulation_dtype": ("float32", "bfloat16"),
 }
@@ -36,10 +37,6 @@ DISTRIBUTIONS = ("auto", "one_device", "mirrored", "multi_worker", "tpu")
 AUTO = "auto"
 ELEMENTWISE = "elementwise"  # jit_compile: graph kernels, with XLA fusing the elementwise ops.
 DEFAULT_INITIAL_SCALE = 2.0**15
-
-
-class ConfigError(UserError, ValueError):
-    """A config key or value the framework cannot run with."""
 
 
 def base_config() -> ml_collections.ConfigDict:

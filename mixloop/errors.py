@@ -1,5 +1,6 @@
-"""The error the command line turns into one line and a non-zero exit, without a traceback, and
-where in the experiment's own code an exception was raised (for that line to name)."""
+"""The errors a user can fix and the one line each becomes: `UserError` (the command line prints it
+and exits with 2, no traceback), `ConfigError`, where in the experiment's own code an exception was
+raised, and what a TensorFlow op error says in one line. Every floor of mixloop may import this."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ class UserError(Exception):
     """A problem with the user's input (config, workdir, data) that the user can fix; one-line message."""
 
     exit_code = 2  # What the command line exits with.
+
+
+class ConfigError(UserError, ValueError):
+    """A config key or value the framework cannot run with."""
 
 
 def user_frames(error: BaseException) -> list[tuple[types.FrameType, int]]:
@@ -87,3 +92,40 @@ def _is_user_file(filename: str) -> bool:
     or code TensorFlow generated."""
     return not (filename.startswith(_LIBRARY_FOLDERS) or filename.startswith("<")
                 or "__autograph_generated_file" in filename)
+
+
+def op_error_summary(error: Exception) -> str:
+    """The line of a TensorFlow op error (`tf.errors.OpError`) that says what went wrong, without
+    the trace around it.
+
+    That is the last line outside the traces: the shapes or values an op refused (`Matrix
+    size-incompatible: In[0]: [32,9], In[1]: [8,16]`), or a Python exception raised in the data
+    pipeline (`ValueError: ...`, the last line of its traceback), without tf.data's prefix naming
+    the transformation.
+    """
+    noise = ("Graph execution error", "Detected at node", 'File "', "[[", "Stack trace",
+             "tf2xla conversion failed")
+    lines = [line.strip() for line in error.message.splitlines()]
+    useful = [line for line in lines if line and not line.startswith(noise)]
+    summary = (useful[-1] if useful else lines[0]).split("\t")[0].strip()
+    summary = re.sub(r"^Error in user-defined function passed to .*? with iterator: \S+: ", "",
+                     summary)
+    summary = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", summary)  # A function called eagerly.
+    summary = re.sub(r"\s+Label values:.*", "", summary)  # Every label of the batch.
+    if re.search(_INDEX_OUT_OF_RANGE, summary):
+        summary += " (an integer input, such as a label, outside its valid range)"
+    return summary
+
+
+# How TensorFlow's kernels without XLA say an index is out of range: gather (an embedding, a
+# label's row), the segment sums of a gather's gradient, the sparse cross-entropy.
+_INDEX_OUT_OF_RANGE = r" is not in \[| is out of range \[|outside the valid range of \["
+
+EMPTY_EVAL_DATA = "the eval dataset is empty: build_datasets() returned one with no batches"
+
+
+def empty_train_data(batch_size: int) -> str:
+    """The one line for a train set with no batch."""
+    return (f"the train dataset is empty: build_datasets() returned one with no batches (batched "
+            f"with drop_remainder=True, fewer than config.train.batch_size={batch_size} examples "
+            "make none)")

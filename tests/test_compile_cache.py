@@ -8,11 +8,12 @@ import os
 import pytest
 from test_compile_mode import make_trainer
 
+from mixloop import machine as mixloop_machine
 from mixloop.runner import compile_cache
 
 
 def test_a_changed_batch_policy_or_model_is_another_key(tmp_path):
-    keys = {name: compile_cache.key_of(compile_cache.setup(make_trainer(tmp_path / name, **change)))
+    keys = {name: compile_cache.key_of(compile_cache.setup(make_trainer(tmp_path / name, **change).run))
             for name, change in {
                 "configured": {}, "same": {}, "batch": {"train.batch_size": 64},
                 "accumulation": {"train.accumulation_steps": 1},
@@ -26,22 +27,22 @@ def test_a_changed_batch_policy_or_model_is_another_key(tmp_path):
 def test_a_changed_engine_is_another_key(tmp_path, monkeypatch):
     """mixloop's step and gradients decide a mode's speed too: a changed engine measures again."""
     trainer = make_trainer(tmp_path)
-    configured = compile_cache.key_of(compile_cache.setup(trainer))
+    configured = compile_cache.key_of(compile_cache.setup(trainer.run))
     engine = tmp_path / "engine"
     engine.mkdir()
     for path in sorted(compile_cache.ENGINE_FOLDER.glob("*.py")):
         (engine / path.name).write_bytes(path.read_bytes())
     monkeypatch.setattr(compile_cache, "ENGINE_FOLDER", engine)
-    assert compile_cache.key_of(compile_cache.setup(trainer)) == configured
+    assert compile_cache.key_of(compile_cache.setup(trainer.run)) == configured
     (engine / "step.py").write_text((engine / "step.py").read_text() + "\n# changed\n")
-    assert compile_cache.key_of(compile_cache.setup(trainer)) != configured
+    assert compile_cache.key_of(compile_cache.setup(trainer.run)) != configured
 
 
 def test_the_machine_part_names_the_cpu_and_its_flags(tmp_path):
-    machine = compile_cache.setup(make_trainer(tmp_path))["machine"]
+    machine = compile_cache.setup(make_trainer(tmp_path).run)["machine"]
     assert machine["model"] and machine["gpus"] == []
     if os.path.exists("/proc/cpuinfo"):
-        assert "sse2" in machine["flags"].split() and machine == {**compile_cache.cpu(), "gpus": []}
+        assert "sse2" in machine["flags"].split() and machine == {**mixloop_machine.cpu(), "gpus": []}
 
 
 def test_a_stored_choice_is_read_back(tmp_path, monkeypatch):

@@ -14,7 +14,8 @@ import tensorflow as tf
 
 from cli_runs import checkpoint_steps
 from mixloop.errors import UserError
-from mixloop.runner import controller, guard, workdir
+from mixloop import errors
+from mixloop.runner import guard, workdir
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FAULTY_CONFIG = os.path.join(TESTS_DIR, "faulty_experiment.py")
@@ -86,7 +87,7 @@ def test_nan_in_the_probe_batches_is_one_line_then_the_bad_data_error(tmp_path, 
 def test_recovery_restores_the_last_checkpoint_and_goes_on(tmp_path, caplog):
     trainer = make_trainer(tmp_path, **{"data.nan_batches": [6], "train.max_recoveries": 1})
     trainer.train()
-    assert int(trainer.global_step.numpy()) == 24
+    assert int(trainer.run.global_step.numpy()) == 24
     assert "Recovery 1 of 1" in caplog.text and "ckpt-4" in caplog.text
     assert all(np.isfinite(w).all() for w in trainer.model.get_weights())
 
@@ -97,7 +98,7 @@ def test_the_first_skip_is_logged_once_with_its_variables(tmp_path, caplog):
     trainer.train()
     lines = [r.getMessage() for r in caplog.records if "First skipped update" in r.getMessage()]
     assert len(lines) == 1 and "hidden_0/kernel" in lines[0] and "by step 4" in lines[0]
-    assert trainer.state.skipped_totals() == {"model": 2}
+    assert trainer.run.state.skipped_totals() == {"model": 2}
     assert "bad data" not in lines[0]
 
 
@@ -110,7 +111,7 @@ def test_an_overflow_a_lower_scale_cures_is_retried_and_logged_once_with_its_var
     trainer.train()
     lines = [r.getMessage() for r in caplog.records if "First overflow retried" in r.getMessage()]
     assert len(lines) == 1 and "hidden_0/kernel" in lines[0], lines
-    assert trainer.state.skipped_totals() == {"model": 0}
+    assert trainer.run.state.skipped_totals() == {"model": 0}
     num_steps = trainer.config.train.num_steps
     assert int(trainer.objectives["model"].optimizer.iterations.numpy()) == num_steps
     assert float(trainer.objectives["model"].loss_scale.scale) < 2.0**24
@@ -132,7 +133,7 @@ def test_a_first_skip_from_nan_inputs_says_the_data_is_bad(tmp_path, caplog):
 def test_dataset_that_ends_early_stops_cleanly_with_a_checkpoint(tmp_path, caplog):
     trainer = make_trainer(tmp_path, **{"train.repeat_dataset": False, "data.num_examples": 320})
     trainer.train()  # 320 / 32 = 10 batches for 24 steps.
-    assert int(trainer.global_step.numpy()) == 10
+    assert int(trainer.run.global_step.numpy()) == 10
     assert checkpoint_steps(tmp_path) == [4, 8, 10]
     assert "The train dataset ended at step 10 of 24" in caplog.text
     assert not os.path.exists(tmp_path / "model.keras")
@@ -164,7 +165,7 @@ def test_an_index_out_of_range_in_graph_mode_says_it_may_be_a_label(failing_op, 
     cross-entropy's list of every label of the batch is left out)."""
     with pytest.raises(tf.errors.InvalidArgumentError) as raised:
         tf.function(failing_op)()
-    assert controller.op_error_summary(raised.value) == (
+    assert errors.op_error_summary(raised.value) == (
         f"{summary} (an integer input, such as a label, outside its valid range)")
 
 
@@ -251,9 +252,9 @@ def test_soak_of_injected_overflows(tmp_path):
         **common, "data.drop_batches": injected, "train.num_steps": num_steps - len(injected)})
     reference.train()
 
-    assert faulty.state.skipped_totals()["model"] == len(injected)  # Every injected step skipped...
+    assert faulty.run.state.skipped_totals()["model"] == len(injected)  # Every injected step skipped...
     assert int(faulty.objectives["model"].optimizer.iterations.numpy()) == num_steps - len(injected)  # ...no other.
-    assert reference.state.skipped_totals()["model"] == 0
+    assert reference.run.state.skipped_totals()["model"] == 0
     skipped_in_tensorboard = read_scalars(tmp_path / "faulty" / "train", "skipped_steps")
     assert sum(skipped_in_tensorboard) == len(injected)
     assert read_scalars(tmp_path / "faulty" / "train", "skipped_total")[-1] == len(injected)

@@ -32,7 +32,7 @@ and torchao: they are a small share of the state, and the most sensitive to its 
 embedding tables, told by their variable's name (`EMBEDDING_TABLE_NAME`), as Hugging Face's Trainer
 keeps every embedding's state in 32 bits under bitsandbytes' 8-bit optimizers (whose Stable
 Embedding, Dettmers et al. 2021, answers the uneven frequency of tokens). Quantized, with bfloat16
-weights, its tables cost keras-hub's GPT-2 2% of its final loss (experiments/gpt2_bytes.py).
+weights, its tables cost keras-hub's GPT-2 a measurable share of its final loss (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -42,14 +42,13 @@ import math
 import keras
 import tensorflow as tf
 
-from mixloop.config import STORAGE_DTYPES
 from mixloop.engine import low_bit
 
 MIN_QUANTIZED_SIZE = 4096  # Tensors with fewer values keep float32 moments under state_dtype=int8.
 # The name Keras gives an embedding table's variable (`keras.layers.Embedding` and its subclasses,
 # keras-hub's `ReversibleEmbedding` and `PositionEmbedding`): such tables keep float32 moments too.
 EMBEDDING_TABLE_NAME = "embeddings"
-STATE_DTYPES = STORAGE_DTYPES["optimizer.state_dtype"]
+STATE_DTYPES = ("float32", "bfloat16", "int8")  # What optimizer.state_dtype allows.
 # Which of a variable's tensors a stochastic rounding seed is for.
 _WEIGHT, _FIRST_MOMENT, _SECOND_MOMENT = 0, 1, 2
 

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import keras
 
-from mixloop.config import AUTO, ConfigError
+from mixloop.errors import ConfigError
 from mixloop.engine import keras_adapter
 from mixloop.engine.layer_precision import (LOGITS_LAYER_NAME, matching_paths, named_layers,
                                             shown_paths)
@@ -30,6 +30,9 @@ SETTING = "config.precision.float8_layers"
 # Keras's `quantize` refuses their subclasses (`type_check`), so the types are matched exactly.
 FLOAT8_TYPES: tuple[type, ...] = (keras.layers.Dense, keras.layers.EinsumDense)
 FLOAT8 = "float8"  # Keras's quantization mode.
+
+
+AUTO = "auto"  # precision.float8_layers="auto": every Dense and EinsumDense that can train in FP8.
 
 
 def quantize_selected(model: keras.Model, policy: Policy, setting: str) -> list[str]:

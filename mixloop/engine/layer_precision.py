@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import keras
 
-from mixloop.config import ConfigError
+from mixloop.errors import ConfigError
 from mixloop.engine import keras_adapter
 from mixloop.engine.policy import Policy
 

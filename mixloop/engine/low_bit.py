@@ -91,8 +91,8 @@ def _count_below(ascending: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
     """How many of the 255 `ascending` values are below each of `values` (int32, `values`' shape).
 
     `tf.searchsorted` where TensorFlow's kernel runs it; under XLA, which on a CPU compiles it into
-    a comparison of every value with every entry (1 GB for a million values), a binary search of
-    eight gathers (same codes; 8-10 ms against 108 ms a million values, and 1.1 GB less).
+    a comparison of every value with every entry (a tensor of 255 times the values), a binary
+    search of eight gathers: the same codes, faster and lighter.
     """
     if not control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
         flat = tf.searchsorted(ascending[None, :], tf.reshape(values, [1, -1]))

@@ -27,15 +27,19 @@ _ACCEPTED_FORMS = (
 )
 
 
+def is_floating(leaf: Any) -> bool:
+    """Whether `leaf` is a floating tensor: what the casts touch, and what has a gradient."""
+    return tf.is_tensor(leaf) and tf.as_dtype(leaf.dtype).is_floating
+
+
+def floating_leaves(tree: Any) -> list[tf.Tensor]:
+    """The floating tensors of `tree`, in `tf.nest.flatten` order."""
+    return [leaf for leaf in tf.nest.flatten(tree) if is_floating(leaf)]
+
+
 def _cast_floating(tree: Any, dtype: tf.DType) -> Any:
     """Casts the floating tensors of `tree` to `dtype`; every other leaf is returned unchanged."""
-
-    def cast(leaf):
-        if tf.is_tensor(leaf) and tf.as_dtype(leaf.dtype).is_floating:
-            return tf.cast(leaf, dtype)
-        return leaf
-
-    return tf.nest.map_structure(cast, tree)
+    return tf.nest.map_structure(lambda leaf: tf.cast(leaf, dtype) if is_floating(leaf) else leaf, tree)
 
 
 @dataclasses.dataclass(frozen=True)

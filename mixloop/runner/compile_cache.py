@@ -1,8 +1,8 @@
 """The compile-mode cache: what `jit_compile=auto` measured, kept outside the workdir so that the
 next run of the same setup on the same machine skips the probe.
 
-The probe compiles and times the train loop three ways, which costs seconds to a minute (charlm: 29
-s of a 170 s run); the answer depends only on the machine and the setup, so it is measured once. The
+The probe compiles and times the train loop three ways, which costs seconds to a minute
+(docs/speed.md); the answer depends only on the machine and the setup, so it is measured once. The
 cache is one JSON file, `compile_modes.json`, in `$MIXLOOP_CACHE_DIR` (default
 `$XDG_CACHE_HOME/mixloop`, else `~/.cache/mixloop`); `MIXLOOP_CACHE_DIR=off` turns it off, and
 `jit_compile=auto` then measures every new workdir. An entry is keyed by a hash of what decides a
@@ -22,13 +22,13 @@ import inspect
 import json
 import os
 import pathlib
-import platform
 from typing import Any, Optional
 
 import keras
 import tensorflow as tf
 from absl import logging
 
+from mixloop import files, machine
 from mixloop.engine.layer_precision import named_layers
 
 # mixloop's engine: its step, the gradients it takes and its GELU (engine/*.py), part of every key.
@@ -50,42 +50,34 @@ def cache_path() -> Optional[str]:
     return os.path.join(folder, FILE_NAME)
 
 
-def setup(trainer) -> dict[str, Any]:
+def setup(run) -> dict[str, Any]:
     """What a compile mode's speed depends on, as JSON-ready values."""
-    config = trainer.config
+    config = run.config
     return {
         "machine": _machine(),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         # mixloop's clustering flags for "elementwise" (set at import) and the user's own.
         "tf_xla_flags": os.environ.get("TF_XLA_FLAGS", ""),
-        "threads": [_usable_cores(), os.environ.get("TF_NUM_INTRAOP_THREADS"),
+        "threads": [machine.usable_cores(), os.environ.get("TF_NUM_INTRAOP_THREADS"),
                     os.environ.get("OMP_NUM_THREADS")],
-        "replicas": trainer.strategy.num_replicas_in_sync,
+        "replicas": run.strategy.num_replicas_in_sync,
         "precision": config.precision.to_dict(),
         "train": {key: config.train[key] for key in (
             "batch_size", "accumulation_steps", "accumulation_dtype", "batch_loss", "ema_decay",
             "recompute", "steps_per_loop")},
         "optimizer": {key: config.optimizer[key] for key in ("name", "state_dtype")},
-        "trainer": [f"{type(trainer).__module__}.{type(trainer).__qualname__}",
-                    _source_hash(type(trainer))],
+        "trainer": [f"{type(run.trainer).__module__}.{type(run.trainer).__qualname__}",
+                    _source_hash(type(run.trainer))],
         # mixloop's step: a changed step or gradient may change which mode is fastest.
         "engine": files_hash(sorted(ENGINE_FOLDER.glob("*.py"))),
         "model": json.loads(json.dumps(config.model.to_dict(), default=str)),
         "data": [(str(spec.shape), spec.dtype.name)
-                 for spec in tf.nest.flatten(trainer.train_element_spec)],
+                 for spec in tf.nest.flatten(run.train_element_spec)],
         "layers": [(path, type(layer).__name__, layer.dtype_policy.name)
-                   for path, layer in named_layers(trainer.model).items()],
-        "variables": [(v.path, list(v.shape), str(v.dtype)) for v in trainer.model.variables],
+                   for path, layer in named_layers(run.model).items()],
+        "variables": [(v.path, list(v.shape), str(v.dtype)) for v in run.model.variables],
     }
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (its affinity, where the platform tells)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _source_hash(trainer_class: type) -> str:
@@ -116,24 +108,7 @@ def _machine() -> dict[str, Any]:
     """The CPU (`cpu`) and the GPUs' names."""
     gpus = [tf.config.experimental.get_device_details(gpu).get("device_name", gpu.name)
             for gpu in tf.config.list_physical_devices("GPU")]
-    return {**cpu(), "gpus": gpus}
-
-
-def cpu() -> dict[str, str]:
-    """{"model": the CPU's model name, "flags": its instruction-set flags, sorted, space-separated};
-    off Linux, the platform's description and no flags."""
-    found = {"model": "", "flags": ""}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                name, _, value = line.partition(":")
-                if name.strip() == "model name" and not found["model"]:
-                    found["model"] = value.strip()
-                elif name.strip() == "flags" and not found["flags"]:
-                    found["flags"] = " ".join(sorted(value.split()))
-    except OSError:
-        found["model"] = platform.processor()
-    return found
+    return {**machine.cpu(), "gpus": gpus}
 
 
 def key_of(setup_values: dict[str, Any]) -> str:
@@ -158,20 +133,12 @@ def store(key: str, mode: Any, examples_per_sec: dict[str, float]) -> None:
     entries = _read_all()
     entries[key] = {"mode": mode, "examples_per_sec": examples_per_sec,
                     "measured_at": datetime.datetime.now().isoformat(timespec="seconds")}
-    temporary = f"{path}.{os.getpid()}.tmp"
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(temporary, "w") as file:
-            json.dump(entries, file, indent=1, sort_keys=True)
-        os.replace(temporary, path)
+        files.write_json(path, entries, sort_keys=True)
     except OSError as error:
         logging.warning("Could not write the compile-mode cache %s (%s); the next run of this "
                         "setup measures again (%s=off turns the cache off)", path,
                         error.strerror or error, CACHE_ENV)
-        try:
-            os.remove(temporary)
-        except OSError:
-            pass
 
 
 def _read_all() -> dict[str, Any]:

@@ -18,6 +18,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
+from mixloop import files
 from mixloop.errors import UserError
 
 LOCK_NAME = ".lock"
@@ -337,27 +338,15 @@ def _json_kind(value: Any) -> str:
 
 
 def _write_json(path: str, value: Any, keep_as: Optional[str] = None) -> None:
-    """Writes `value` whole, then renames it into place: a kill leaves no half file. With
-    `keep_as`, the file it replaces is copied to that name first.
+    """`files.write_json`, whole or not at all (with `keep_as`, the file it replaces copied first).
 
     Raises:
       UnusableWorkdir: when a file cannot be written (the file it replaces is left as it was, and
         no partial file stays).
     """
-    temporary = path + ".tmp"
-    written = [temporary]
     try:
-        with open(temporary, "w") as f:
-            json.dump(value, f, indent=2, sort_keys=True)
-            f.write("\n")
-        if keep_as is not None:
-            written.append(keep_as)
-            shutil.copy2(path, keep_as)
-        os.replace(temporary, path)
+        files.write_json(path, value, sort_keys=True, keep_as=keep_as)
     except OSError as error:
-        for partial in written:
-            with contextlib.suppress(OSError):
-                os.remove(partial)
         raise unusable_workdir(os.path.dirname(path), error, path) from None
 
 
