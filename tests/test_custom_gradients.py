@@ -9,7 +9,7 @@ import test_auto_precision as auto
 
 from mixloop.errors import UserError
 from mixloop.runner import auto_precision
-from mixloop.runner.precision_report import diagnose
+from mixloop.doctor.diagnosis import diagnose
 from mixloop.tools.diagnose import format_report
 
 FLOAT8_SCALES = ("scale", "amax_history")  # The names of the variables Keras overwrites.
@@ -30,7 +30,7 @@ def test_the_probe_measures_the_float8_mlp_without_its_overwritten_variables(flo
 
 
 def test_the_doctor_leaves_overwritten_variables_out_of_gradient_statistics(float8_run):
-    report = diagnose(float8_run.trainer, num_batches=1)
+    report = diagnose(float8_run.trainer.run, num_batches=1)
     assert [layer.path for layer in report.layers] == ["flatten", "dense0", "dense1", "logits"]
     overwritten = [v for v in report.variables if v.overwritten]
     assert {v.path.rpartition("/")[2] for v in overwritten} == {
@@ -51,7 +51,7 @@ def test_a_non_finite_new_value_of_an_overwritten_variable_is_an_overflow(float8
     history.assign(saved[0] + float("inf"))
     scale.assign(float("nan"))
     try:
-        report = diagnose(trainer, num_batches=1)
+        report = diagnose(trainer.run, num_batches=1)
     finally:
         history.assign(saved[0])
         scale.assign(saved[1])
@@ -64,7 +64,7 @@ def test_a_non_finite_new_value_of_an_overwritten_variable_is_an_overflow(float8
 def test_a_clipping_custom_gradient_is_measured_as_training_takes_it(tmp_path):
     run = auto.train(custom_gradient_experiment, "clip", tmp_path, **auto.AUTO)
     assert run.metrics is not None and auto.lines_with(run, "probed 2 train batches")
-    layers = {layer.path: layer for layer in diagnose(run.trainer, num_batches=1).layers}
+    layers = {layer.path: layer for layer in diagnose(run.trainer.run, num_batches=1).layers}
     assert layers["custom"].max_abs_output_grad > custom_gradient_experiment.BOUND
     assert layers["hidden"].max_abs_output_grad <= np.float32(custom_gradient_experiment.BOUND)
 
@@ -72,7 +72,7 @@ def test_a_clipping_custom_gradient_is_measured_as_training_takes_it(tmp_path):
 def test_a_custom_gradient_eager_tensorflow_cannot_take_is_probed_traced(tmp_path):
     run = auto.train(custom_gradient_experiment, "keras_variable", tmp_path, **auto.AUTO)
     assert run.metrics is not None and auto.lines_with(run, "probed 2 train batches")
-    report = diagnose(run.trainer, num_batches=1)
+    report = diagnose(run.trainer.run, num_batches=1)
     assert next(v for v in report.variables if v.path == "custom/gain").max_abs > 0
 
 
@@ -81,12 +81,12 @@ def test_a_failing_custom_gradient_is_one_line_naming_its_layer(tmp_path):
     with pytest.raises(UserError, match=r"layer 'custom' \(RaisingGradient\) cannot be measured: "
                        r"its backward pass.*NotImplementedError: the backward pass of this layer is "
                        r"not written yet \(at .*custom_gradient_experiment.py:\d+\)"):
-        diagnose(trainer, num_batches=1)
+        diagnose(trainer.run, num_batches=1)
     with auto.absl_messages() as log:
-        auto_precision.start(trainer)  # The warning, and the run goes on unprobed.
+        auto_precision.start(trainer.run)  # The warning, and the run goes on unprobed.
     assert [m for m in log if "not probed" in m and "layer 'custom'" in m and "\n" not in m]
     with auto.absl_messages() as log:
-        assert auto_precision.heal(trainer) == ""
+        assert auto_precision.heal(trainer.run) == ""
     assert [m for m in log if m.startswith("The healing probe failed (layer 'custom'")]
     assert "the precision probe of the weights it diverged at failed (layer 'custom'" in (
-        auto_precision.cure(trainer))
+        auto_precision.cure(trainer.run))

@@ -19,11 +19,12 @@ import tiny_experiment
 import mixloop
 from mixloop.cli import import_trainer
 from mixloop.engine.objective import SINGLE
-from mixloop.engine.step import forward
+from mixloop.engine.micro_step import forward
 from mixloop.errors import UserError
-from mixloop.runner.memory import PARTS, LighterOption, PersistentState
+from mixloop.doctor.memory import PARTS, LighterOption, PersistentState
 from mixloop.tools import diagnose as diagnose_cli
-from mixloop.runner.precision_report import DtypeRange, diagnose, diagnose_objectives
+from mixloop.doctor.diagnosis import diagnose, diagnose_objectives
+from mixloop.doctor.report import DtypeRange
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FLOAT16 = DtypeRange.of(tf.float16)
@@ -108,7 +109,7 @@ def make_trainer(module, workdir, arg=None, **overrides):
 
 @pytest.fixture(scope="module")
 def hot_report(tmp_path_factory):
-    return diagnose(make_trainer(hot_experiment, tmp_path_factory.mktemp("hot")), num_batches=2)
+    return diagnose(make_trainer(hot_experiment, tmp_path_factory.mktemp("hot")).run, num_batches=2)
 
 
 def test_dtype_ranges_count_in_powers_of_two():
@@ -143,7 +144,7 @@ def test_a_hot_layer_is_reported_as_overflowing_and_advised_to_float32(hot_repor
 
 
 def test_faint_gradients_underflow_until_the_advised_scale_is_applied(tmp_path):
-    report = diagnose(make_trainer(hot_experiment, tmp_path, "faint"), num_batches=2)
+    report = diagnose(make_trainer(hot_experiment, tmp_path, "faint").run, num_batches=2)
     assert report.loss_scale == 1.0
     assert report.gradient_zero_fraction > 0.99
     assert "gradients underflow at loss scale 1" in report.advice.problems[0]
@@ -156,7 +157,7 @@ def test_faint_gradients_underflow_until_the_advised_scale_is_applied(tmp_path):
                                 "precision.initial_scale": advice.initial_scale,
                                 "precision.max_scale": advice.initial_scale}
 
-    cured = diagnose(make_trainer(hot_experiment, tmp_path, "faint", **advice.overrides), num_batches=2)
+    cured = diagnose(make_trainer(hot_experiment, tmp_path, "faint", **advice.overrides).run, num_batches=2)
     assert cured.loss_scale == advice.initial_scale
     assert cured.gradient_zero_fraction < 0.01
     assert cured.gradient_zero_fraction == pytest.approx(advice.initial_scale_zero_fraction)
@@ -166,7 +167,7 @@ def test_faint_gradients_underflow_until_the_advised_scale_is_applied(tmp_path):
 
 def test_gradients_that_the_default_scale_keeps_start_at_it_though_a_higher_start_is_safe(tmp_path):
     # Gradients near 3e-9: 2^15 keeps them, 2^41 would leave 3 doublings below 65504.
-    report = diagnose(make_trainer(hot_experiment, tmp_path, "faint", **{"model.loss_factor": 1e-8}),
+    report = diagnose(make_trainer(hot_experiment, tmp_path, "faint", **{"model.loss_factor": 1e-8}).run,
                       num_batches=2)
     assert report.gradient_zero_fraction > 0.99  # At the faint experiment's loss scale of 1.
     assert 65504 / (report.advice.largest_gradient * 2**3) > 2.0**40
@@ -181,18 +182,18 @@ def test_the_advice_cures_a_run_that_skipped_every_step(tmp_path, hot_report):
     # The divergence guard stops a run as soon as the float32 loss is NaN.
     with pytest.raises(UserError, match="diverged at step 1: the float32 loss is nan"):
         before.train()
-    assert before.state.skipped_totals() == {SINGLE: int(before.global_step.numpy())} == {SINGLE: 1}
+    assert before.run.state.skipped_totals() == {SINGLE: int(before.run.global_step.numpy())} == {SINGLE: 1}
 
     after = make_trainer(hot_experiment, tmp_path / "after", **hot_report.advice.overrides)
     after.train()
-    assert after.state.skipped_totals() == {SINGLE: 0}
+    assert after.run.state.skipped_totals() == {SINGLE: 0}
     assert float(after.objectives[SINGLE].loss_scale.scale) == hot_report.advice.initial_scale
 
 
 def test_a_healthy_model_has_no_problems_and_is_left_bit_identical(tmp_path):
     trainer = make_trainer(tiny_experiment, tmp_path)
     variables = [v.numpy() for v in trainer.model.variables]
-    report = diagnose(trainer, num_batches=2)
+    report = diagnose(trainer.run, num_batches=2)
 
     assert report.num_micro_batches == 4  # accumulation_steps=2, as the train step splits them.
     assert [layer.compute_dtype for layer in report.layers] == ["float16", "float16", "float32"]
@@ -209,7 +210,7 @@ def largest_16bit_gradient(report):
 
 
 def test_gradients_that_overflow_at_the_loss_scale_are_compared_at_a_lower_one(tmp_path):
-    report = diagnose(make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.LoudTrainer"),
+    report = diagnose(make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.LoudTrainer").run,
                       num_batches=2)
 
     # The overflow at the examined scale stays a finding of its own.
@@ -229,7 +230,7 @@ def test_gradients_that_overflow_at_the_loss_scale_are_compared_at_a_lower_one(t
 
 
 def test_gradients_zero_in_exact_arithmetic_get_an_absolute_error_only(tmp_path):
-    report = diagnose(make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.ZeroGradientTrainer"),
+    report = diagnose(make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.ZeroGradientTrainer").run,
                       num_batches=2)
     variables = {v.path: v for v in report.variables}
     kernel, bias, fed_zeros = (variables[path] for path in
@@ -258,7 +259,7 @@ def test_a_diagnosis_leaves_every_layer_call_as_it_found_it(tmp_path):
     own_call = body.call
     object.__setattr__(body, "call", functools.wraps(own_call)(lambda *a, **k: own_call(*a, **k)))
     instance_call = body.call
-    diagnose(trainer, num_batches=1)
+    diagnose(trainer.run, num_batches=1)
 
     assert body.__dict__["call"] is instance_call
     assert "call" not in trainer.model.get_layer("logits").__dict__
@@ -267,7 +268,7 @@ def test_a_diagnosis_leaves_every_layer_call_as_it_found_it(tmp_path):
 def test_only_the_objective_whose_gradients_overflow_is_reported_so(tmp_path):
     trainer = make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.TwoHeadTrainer")
     variables = [v.numpy() for v in trainer.model.variables]
-    a, b = diagnose_objectives(trainer, ["a", "b"], num_batches=2)
+    a, b = diagnose_objectives(trainer.run, ["a", "b"], num_batches=2)
 
     assert (a.objective, b.objective, a.objectives) == ("a", "b", ["a", "b"])
     assert [v.path for v in a.variables] == ["body/kernel", "body/bias", "a/kernel", "a/bias"]
@@ -293,35 +294,35 @@ def test_only_the_objective_whose_gradients_overflow_is_reported_so(tmp_path):
 
 def test_each_objective_of_several_sees_the_same_batches_and_must_be_named(tmp_path):
     trainer = make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.TwoHeadTrainer")
-    alone = diagnose(trainer, num_batches=1, objective="b")
+    alone = diagnose(trainer.run, num_batches=1, objective="b")
     trainer = make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.TwoHeadTrainer")
-    _, together = diagnose_objectives(trainer, ["a", "b"], num_batches=1)
+    _, together = diagnose_objectives(trainer.run, ["a", "b"], num_batches=1)
     assert together == alone
 
     with pytest.raises(UserError, match=r"several objectives, \['a', 'b'\]; name the one"):
-        diagnose(trainer)
+        diagnose(trainer.run)
     with pytest.raises(UserError, match=r"unknown objective 'c'; the trainer's objectives are \['a', 'b'\]"):
-        diagnose(trainer, objective="c")
+        diagnose(trainer.run, objective="c")
 
 
 def test_every_pass_draws_the_noise_of_the_models_seed_generator_alike(tmp_path):
     trainer = make_trainer(hot_experiment, tmp_path, trainer=f"{__name__}.NoisyTrainer")
     trainer.model(tf.zeros([1, 8]), training=True)  # The seed state moves on from the twin's initial one.
-    report = diagnose(trainer, num_batches=2)
+    report = diagnose(trainer.run, num_batches=2)
     assert all(v.relative_error < 4 * FLOAT16.eps for v in report.variables)
 
 
 def test_a_float32_policy_has_nothing_to_compare(tmp_path):
     trainer = make_trainer(tiny_experiment, tmp_path, **{"precision.policy": "float32"})
     with pytest.raises(UserError, match="computes in float32"):
-        diagnose(trainer)
+        diagnose(trainer.run)
 
 
 def test_a_loss_that_runs_the_model_itself_is_measured_on_the_float32_twin(tmp_path):
     """MAML's inner step over `self.model` inside compute_loss: the float32 pass runs it on the twin."""
     trainer = make_trainer(second_order_experiment, tmp_path / "mixed")
     model, policy = trainer.model, trainer.policy
-    report = diagnose(trainer, num_batches=1)
+    report = diagnose(trainer.run, num_batches=1)
 
     assert trainer.model is model and trainer.policy is policy
     # The float32 gradients are those of the second-order loss in float32, by hand.
@@ -329,7 +330,7 @@ def test_a_loss_that_runs_the_model_itself_is_measured_on_the_float32_twin(tmp_p
                              **{"precision.policy": "float32"})
     reference.model.set_weights(model.get_weights())
     largest = np.zeros(len(report.variables))
-    features, labels = next(reference.train_iterator)  # The batch the doctor read, in two halves.
+    features, labels = next(reference.run.train_iterator)  # The batch the doctor read, in two halves.
     for micro_batch in zip(tf.split(features, 2), tf.split(labels, 2)):
         with tf.GradientTape() as tape:
             loss = reference.compute_loss(forward(reference.model, reference.policy, micro_batch[0],
@@ -346,7 +347,7 @@ def test_a_loss_that_runs_the_model_past_self_model_is_not_measured(tmp_path):
     trainer = make_trainer(second_order_experiment, tmp_path, "stray")
     model, policy = trainer.model, trainer.policy
     with pytest.raises(UserError) as raised:
-        diagnose(trainer, num_batches=1)
+        diagnose(trainer.run, num_batches=1)
 
     assert str(raised.value).startswith(
         "the precision probe cannot measure objective 'model''s loss: compute_loss reaches the "
@@ -368,7 +369,7 @@ def test_float32_gradients_all_zero_where_the_mixed_are_not_are_not_measured(tmp
     trainer = make_trainer(tiny_experiment, tmp_path, trainer=f"{__name__}.PolicyReadingTrainer")
     with pytest.raises(UserError, match="cannot measure objective 'model''s loss: its gradients are "
                                         "all zero in the float32 pass but not in the mixed one"):
-        diagnose(trainer, num_batches=1)
+        diagnose(trainer.run, num_batches=1)
 
 
 class ZeroLossTrainer(tiny_experiment.TinyTrainer):
@@ -379,7 +380,7 @@ class ZeroLossTrainer(tiny_experiment.TinyTrainer):
 
 
 def test_zero_float16_gradients_advise_no_scale_and_never_call_it_not_needed(tmp_path):
-    report = diagnose(make_trainer(tiny_experiment, tmp_path, trainer=f"{__name__}.ZeroLossTrainer"),
+    report = diagnose(make_trainer(tiny_experiment, tmp_path, trainer=f"{__name__}.ZeroLossTrainer").run,
                       num_batches=1)
     assert report.advice.initial_scale is None
     text = diagnose_cli.format_report(report)

@@ -13,8 +13,8 @@ import pytest
 import test_auto_precision as auto
 from test_diagnose import TESTS_DIR, make_trainer
 
-from mixloop.runner import float8_report
-from mixloop.runner.precision_report import diagnose
+from mixloop.doctor import float8_column as float8_report
+from mixloop.doctor.diagnosis import diagnose
 from mixloop.tools.diagnose import format_report
 
 # The formats' limits, written out rather than read from ml_dtypes as the module reads them.
@@ -69,7 +69,7 @@ def quiet_run(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(float8_report.Float8Tally, "add", recording_add)
-        report = diagnose(trainer, num_batches=2)
+        report = diagnose(trainer.run, num_batches=2)
     return report, recorded
 
 

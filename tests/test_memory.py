@@ -13,7 +13,7 @@ import tiny_experiment
 
 import cli_runs
 from cli_runs import TINY_CONFIG
-from mixloop.runner import memory
+from mixloop.doctor import memory
 
 # tiny_experiment's MLP: Dense(8 -> 16) and Dense(16 -> 3), weights and biases.
 TINY_PARAMETERS = 8 * 16 + 16 + 16 * 3 + 3
@@ -39,7 +39,7 @@ def make_trainer(workdir, **overrides):
     ({"optimizer.name": "momentum"}, [4, 4, 4, 0]),
 ])
 def test_persistent_bytes_per_parameter_by_part(tmp_path, overrides, per_parameter):
-    state = memory.persistent_state(make_trainer(tmp_path, **overrides))
+    state = memory.persistent_state(make_trainer(tmp_path, **overrides).run)
 
     assert state.num_parameters == TINY_PARAMETERS
     assert state.part_bytes == dict(zip(memory.PARTS, [TINY_PARAMETERS * b for b in per_parameter]))
@@ -162,7 +162,7 @@ def settings_of(options):
 
 def test_each_lighter_setting_is_counted_from_the_variables_shapes(tmp_path):
     trainer = make_trainer(tmp_path, **{"precision.policy": "float32", **WIDE})  # Adam, 2 micro-batches.
-    options = memory.lighter_options(trainer)
+    options = memory.lighter_options(trainer.run)
 
     assert settings_of(options) == [
         {"precision.master_weights": "bfloat16"}, {"optimizer.state_dtype": "bfloat16"},
@@ -192,7 +192,7 @@ def test_each_lighter_setting_is_counted_from_the_variables_shapes(tmp_path):
       {"precision.master_weights": "bfloat16", "optimizer.state_dtype": "bfloat16"}]),
 ])
 def test_only_the_settings_that_make_a_run_lighter_are_listed(tmp_path, overrides, settings):
-    options = memory.lighter_options(make_trainer(tmp_path, **overrides))
+    options = memory.lighter_options(make_trainer(tmp_path, **overrides).run)
     assert settings_of(options) == settings
     assert not any(option.needs for option in options[1:])
 
@@ -200,13 +200,13 @@ def test_only_the_settings_that_make_a_run_lighter_are_listed(tmp_path, override
 @pytest.mark.parametrize("option_index", [2, 4], ids=["int8", "together"])
 def test_a_run_built_with_a_lighter_setting_keeps_what_it_was_counted_to(tmp_path, option_index):
     overrides = {"precision.policy": "mixed_bfloat16", **WIDE}
-    option = memory.lighter_options(make_trainer(tmp_path / "now", **overrides))[option_index]
+    option = memory.lighter_options(make_trainer(tmp_path / "now", **overrides).run)[option_index]
     lighter = make_trainer(tmp_path / "lighter", **overrides, **option.settings)
 
-    assert memory.persistent_state(lighter) == option.state
+    assert memory.persistent_state(lighter.run) == option.state
     # int8 moments weigh more than bfloat16 ones here: all together leaves nothing lighter, and
     # bfloat16 moments are lighter than int8 ones.
-    assert settings_of(memory.lighter_options(lighter)) == (
+    assert settings_of(memory.lighter_options(lighter.run)) == (
         [] if option_index == 4 else [{"precision.master_weights": "bfloat16"},
                                       {"optimizer.state_dtype": "bfloat16"},
                                       {"train.accumulation_dtype": "bfloat16"},

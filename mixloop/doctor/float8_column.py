@@ -44,10 +44,9 @@ import numpy as np
 from mixloop.engine.float8_layers import FLOAT8
 
 # E5M2 spans 2^32 from its smallest subnormal to its max, so at a fresh history's scale a gradient
-# flushes only below amax * 2^-33; healthy layers flush less than 0.1% there (every Dense of
-# charlm and of the float8 MLP in tests/), so more than 1% means a real share of the signal lies that
-# far below the largest value. A 16-bit run's gradients are allowed the same share
-# (precision_report.UNDERFLOW_TOLERANCE).
+# flushes only below amax * 2^-33, where healthy layers flush a small fraction of their values
+# (docs/fp8.md), so more than 1% means a real share of the signal lies that far below the largest
+# value. A 16-bit run's gradients are allowed the same share (doctor/report.UNDERFLOW_TOLERANCE).
 FLUSH_TOLERANCE = 0.01
 # Any saturated forward value is clipped by up to all of its excess: under delayed scaling it means
 # the values outgrew the history, which a fresh history (the measure of an unquantized layer) never

@@ -87,18 +87,18 @@ class PersistentState:
                 f"{format_bytes(self.total_bytes)}")
 
 
-def persistent_state(trainer: Any) -> PersistentState:
+def persistent_state(run: Any) -> PersistentState:
     """The persistent state of a built Trainer, from its `model` (the trainable parameters and the
     weights), `objectives` (their optimizers' state; the variables accumulated), `train_step.ema`
     and `config.train` (accumulation_steps, accumulation_dtype)."""
-    train = trainer.config.train
-    weights = trainer.model.trainable_variables
-    accumulated = ([v for objective in trainer.objectives.values() for v in objective.variables]
+    train = run.config.train
+    weights = run.model.trainable_variables
+    accumulated = ([v for objective in run.objectives.values() for v in objective.variables]
                    if train.accumulation_steps > 1 else [])
-    averages = [v for ema in trainer.train_step.ema.values() for v in ema.averages]
+    averages = [v for ema in run.train_step.ema.values() for v in ema.averages]
     return PersistentState(num_elements(weights), {
         "weights": stored_bytes(weights),
-        "optimizer state": stored_bytes(optimizer_state(trainer.objectives)),
+        "optimizer state": stored_bytes(optimizer_state(run.objectives)),
         "accumulators": num_elements(accumulated) * tf.as_dtype(train.accumulation_dtype).size,
         "EMA": stored_bytes(averages),
     })
@@ -116,7 +116,7 @@ class LighterOption:
     needs: dict[str, str] = dataclasses.field(default_factory=dict)  # Config key -> value.
 
 
-def lighter_options(trainer: Any) -> list[LighterOption]:
+def lighter_options(run: Any) -> list[LighterOption]:
     """What each lighter storage setting a built Trainer does not use yet would make its persistent
     state (`persistent_state`'s parts), counted from its variables' shapes; then, when two or more
     settings apply without `needs`, all of them together (int8 or bfloat16 moments, the lighter).
@@ -133,25 +133,25 @@ def lighter_options(trainer: Any) -> list[LighterOption]:
       train.accumulation_dtype=bfloat16: with accumulation_steps > 1, 2 bytes an accumulated value.
     Bytes only: what the settings do to the loss is not measured here.
     """
-    current = persistent_state(trainer)
-    config = trainer.config
+    current = persistent_state(run)
+    config = run.config
     options = []
     if config.precision.master_weights != _BFLOAT16:
-        needs = {} if trainer.policy.compute_dtype == tf.bfloat16 else {
+        needs = {} if run.policy.compute_dtype == tf.bfloat16 else {
             "precision.policy": "mixed_bfloat16"}
         weights = current.part_bytes["weights"] - 2 * num_elements(
-            [v for stored in lighter_model.bfloat16_storable(trainer.model).values() for v in stored])
+            [v for stored in lighter_model.bfloat16_storable(run.model).values() for v in stored])
         options.append(_lightened(current, "precision.master_weights", _BFLOAT16, weights, needs))
-    adam = {name: isinstance(o.optimizer, keras.optimizers.Adam) for name, o in trainer.objectives.items()}
+    adam = {name: isinstance(o.optimizer, keras.optimizers.Adam) for name, o in run.objectives.items()}
     if any(adam.values()) and config.optimizer.name in _ADAM_NAMES:
-        others = {name: o for name, o in trainer.objectives.items() if not adam[name]}
+        others = {name: o for name, o in run.objectives.items() if not adam[name]}
         for dtype in [d for d in _LOW_BIT_STATE_DTYPES if d != config.optimizer.state_dtype]:
-            moments = sum(_moment_bytes(v, dtype) for name, o in trainer.objectives.items()
+            moments = sum(_moment_bytes(v, dtype) for name, o in run.objectives.items()
                           if adam[name] for v in o.variables)
             options.append(_lightened(current, "optimizer.state_dtype", dtype,
                                       stored_bytes(optimizer_state(others)) + 2 * moments))
     if config.train.accumulation_steps > 1 and config.train.accumulation_dtype != _BFLOAT16:
-        accumulated = [v for objective in trainer.objectives.values() for v in objective.variables]
+        accumulated = [v for objective in run.objectives.values() for v in objective.variables]
         options.append(_lightened(current, "train.accumulation_dtype", _BFLOAT16,
                                   num_elements(accumulated) * 2))
     # int8 moments save nothing where no tensor is quantized (`quantizes_moments`), and weigh

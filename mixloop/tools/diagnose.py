@@ -3,9 +3,9 @@
 
 Builds the experiment's Trainer as `mixloop.train` does, restores the workdir's latest checkpoint if
 there is one (and writes nothing there), diagnoses each of its objectives (or only --objective) on
-the same next N train batches with `mixloop.runner.precision_report`, and prints one report per
+the same next N train batches with `mixloop.doctor.diagnosis`, and prints one report per
 objective, then what the run's persistent state weighs and would weigh with each lighter storage
-setting (`mixloop.runner.memory.lighter_options`). With --output it also writes, into that directory
+setting (`mixloop.doctor.memory.lighter_options`). With --output it also writes, into that directory
 (with several objectives, into its subdirectory named for the objective), `report.json`, TensorBoard
 histograms of the gradients' log2 magnitudes, and `gradient_histogram.png` (when matplotlib is
 installed: `pip install -e '.[plot]'`), after checking before the work that it can
@@ -31,15 +31,15 @@ from mixloop import cli, interrupts
 from mixloop.config import DEFAULT_INITIAL_SCALE
 from mixloop.engine.compact_optimizer import MIN_QUANTIZED_SIZE
 from mixloop.errors import UserError
-from mixloop.runner import auto_precision, memory
-from mixloop.runner.memory import LIGHTER_PARTS, LighterOption, PersistentState, format_bytes
-from mixloop.runner.float8_report import FLUSH_TOLERANCE, Float8Advice, Float8Report
-from mixloop.runner.precision_report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, NOISE_SCALE,
-                                             DtypeRange, PrecisionReport, VariableReport,
-                                             diagnose_objectives,
-                                             write_json)
+from mixloop.doctor import memory
+from mixloop.runner import auto_precision
+from mixloop.doctor.memory import LIGHTER_PARTS, LighterOption, PersistentState, format_bytes
+from mixloop.doctor.float8_column import FLUSH_TOLERANCE, Float8Advice, Float8Report
+from mixloop.doctor.diagnosis import NOISE_SCALE, diagnose_objectives
+from mixloop.doctor.report import (COMPARISON_MARGIN_BITS, MARGIN_BITS, DtypeRange, PrecisionReport,
+                                   VariableReport, write_json)
 from mixloop.runner.workdir import error_reason, making_room, nearest_existing
-from mixloop.runner.trainer import Trainer  # Loaded already (auto_precision's controller uses it).
+from mixloop.runner.run import Run
 
 _STEPS = flags.DEFINE_integer("steps", 4, "Train batches to diagnose.", lower_bound=1)
 _OUTPUT = flags.DEFINE_string(
@@ -58,35 +58,35 @@ flags.register_validator(
 
 def diagnose_experiment(config, workdir: str, num_batches: int, loss_scale: Optional[float] = None,
                         objective: Optional[str] = None) -> list[PrecisionReport]:
-    """Diagnoses `objective` (by default every objective, in turn) of `restored_trainer(config,
+    """Diagnoses `objective` (by default every objective, in turn) of `restored_run(config,
     workdir)` on the same `num_batches` train batches; one report per objective. Writes nothing.
 
     Raises:
       UserError: for a bad config, a checkpoint that does not fit, an unknown objective, or what
         `diagnose` refuses.
     """
-    return diagnose_trainer(restored_trainer(config, workdir), num_batches, loss_scale, objective)
+    return diagnose_run(restored_run(config, workdir), num_batches, loss_scale, objective)
 
 
-def restored_trainer(config, workdir: str) -> Trainer:
-    """Validates `config`, builds its Trainer, and restores `workdir`'s latest checkpoint if any
-    (and the layer placement its config.json records, as a resumed run does). Writes nothing.
+def restored_run(config, workdir: str) -> Run:
+    """Validates `config`, builds its Trainer's run, and restores `workdir`'s latest checkpoint if
+    any (and the layer placement its config.json records, as a resumed run does). Writes nothing.
 
     Raises:
       UserError: for a bad config or a checkpoint that does not fit.
     """
-    trainer = cli.build_trainer(config, workdir)
-    checkpoint = trainer.restore()
-    auto_precision.apply_recorded(trainer)  # The run's placement, when `auto` or a heal chose it.
+    run = cli.build_trainer(config, workdir).run
+    checkpoint = run.restore()
+    auto_precision.apply_recorded(run)  # The run's placement, when `auto` or a heal chose it.
     logging.info("Diagnosing %s", checkpoint or f"the initial weights (no checkpoint in {workdir})")
-    return trainer
+    return run
 
 
-def diagnose_trainer(trainer: Trainer, num_batches: int, loss_scale: Optional[float] = None,
-                     objective: Optional[str] = None) -> list[PrecisionReport]:
-    """`diagnose_experiment` on a built Trainer."""
-    names = list(trainer.objectives) if objective is None else [objective]
-    return diagnose_objectives(trainer, names, num_batches, loss_scale)
+def diagnose_run(run: Run, num_batches: int, loss_scale: Optional[float] = None,
+                 objective: Optional[str] = None) -> list[PrecisionReport]:
+    """`diagnose_experiment` on a built run."""
+    names = list(run.objectives) if objective is None else [objective]
+    return diagnose_objectives(run, names, num_batches, loss_scale)
 
 
 # ----- The console table. -----
@@ -446,10 +446,10 @@ def main() -> None:
     config, workdir = cli.experiment_from_flags()
     if _OUTPUT.value:
         cli.check_output(_OUTPUT.value, folder=True)  # Before the work, not after it.
-    trainer = restored_trainer(config, workdir)
+    run = restored_run(config, workdir)
     interrupts.unwind_from_here()  # Built, imports done: the work's cleanup runs on a signal.
-    reports = diagnose_trainer(trainer, _STEPS.value, _LOSS_SCALE.value, _OBJECTIVE.value)
-    memory_text = format_memory(memory.persistent_state(trainer), memory.lighter_options(trainer))
+    reports = diagnose_run(run, _STEPS.value, _LOSS_SCALE.value, _OBJECTIVE.value)
+    memory_text = format_memory(memory.persistent_state(run), memory.lighter_options(run))
     print("\n\n".join([*(format_report(report) for report in reports), memory_text]))
     if _OUTPUT.value:
         for report in reports:
