@@ -41,7 +41,6 @@ from absl import logging
 
 import mixloop
 from mixloop.config import base_config
-from mixloop.engine.step import forward
 
 VOCAB_SIZE = 256  # Bytes: every file encodes without a vocabulary to build or store.
 SAMPLE_PROMPT = b"def "  # Every eval's sample continues a function definition.
@@ -248,7 +247,7 @@ class CharLMTrainer(mixloop.Trainer):
     @tf.function
     def _next_byte_logits(self, tokens: tf.Tensor, position: tf.Tensor) -> tf.Tensor:
         """The float32 logits [VOCAB_SIZE] at `position` of tokens int32 [1, seq_len]."""
-        return forward(self.model, self.policy, tokens, training=False)[0, position]
+        return mixloop.forward(self.model, self.policy, tokens, training=False)[0, position]
 
 
 def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:

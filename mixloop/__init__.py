@@ -10,7 +10,8 @@ from mixloop.engine.loss import Loss
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, all_finite
 from mixloop.engine.objective import Objective
 from mixloop.engine.policy import Policy
-from mixloop.engine.step import TrainStep, forward
+from mixloop.engine.micro_step import forward
+from mixloop.engine.step import TrainStep
 from mixloop.runner.actions import Action
 from mixloop.runner.optimizers import build_optimizer
 from mixloop.runner.trainer import Trainer

@@ -34,7 +34,7 @@ class SlowStartTrainer(tiny_experiment.TinyTrainer):
 
 class SlowProbeTrainer(tiny_experiment.TinyTrainer):
     def build_model(self):
-        if hasattr(self, "model"):  # Built already: this is the probe's twin.
+        if self.model is not None:  # Built already: this is the probe's twin.
             print(BUILDING_TWIN, file=sys.stderr, flush=True)
             time.sleep(TWIN_SECONDS)  # The signal's handler runs; the sleep goes on.
         return super().build_model()

@@ -25,8 +25,9 @@ import tiny_experiment
 from mixloop.cli import import_trainer
 from mixloop.config import ConfigError, validate
 from mixloop.engine.layer_precision import named_layers
-from mixloop.runner import guard, workdir
-from mixloop.runner.precision_report import diagnose_batches, initial_scale_keeping
+from mixloop.runner import auto_precision, guard, workdir
+from mixloop.doctor.advice import initial_scale_keeping
+from mixloop.doctor.diagnosis import diagnose_batches
 from mixloop.tools.diagnose import diagnose_experiment
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -162,8 +163,8 @@ def test_a_divergence_the_probe_finds_nothing_for_points_at_the_doctor(tmp_path)
 def test_auto_moves_exactly_the_planted_layers_and_trains(request, fixture, planted, evidence, steps):
     run = request.getfixturevalue(fixture)
     assert run.error is None
-    assert int(run.trainer.global_step.numpy()) == steps
-    assert run.trainer.state.skipped_totals()["model"] <= 1
+    assert int(run.trainer.run.global_step.numpy()) == steps
+    assert run.trainer.run.state.skipped_totals()["model"] <= 1
     assert run.metrics["skipped_total"] <= 1
     assert math.isfinite(run.metrics["loss"])
     assert float32_layers(run.trainer) == sorted(planted + ["logits"])  # logits: by name.
@@ -207,7 +208,7 @@ def test_auto_moves_the_finest_layers_of_nested_blocks(tmp_path):
 
 def test_the_doctor_advises_the_finest_layers_without_their_blocks(tmp_path):
     doctor = make_trainer(hot_experiment, "nested", tmp_path, **PLAIN)
-    [report] = diagnose_batches(doctor, ["model"], itertools.islice(doctor.make_train_iterator(0), 1))
+    [report] = diagnose_batches(doctor.run, ["model"], itertools.islice(doctor.run.make_train_iterator(0), 1))
     hot = {layer.path for layer in report.layers if layer.creates_non_finite}
     assert {"pooling", "pooling/pool", "summing"} <= hot  # The block is hot for its sublayer.
     assert sorted(report.advice.float32_layers) == ["pooling/pool", "summing"]
@@ -237,7 +238,7 @@ def test_the_growing_layer_diverges_without_healing(tmp_path):
 def test_healing_moves_the_growing_layers_and_ends_near_float32(growing_healed, growing_float32):
     run = growing_healed
     assert run.error is None
-    assert int(run.trainer.global_step.numpy()) == 80
+    assert int(run.trainer.run.global_step.numpy()) == 80
     [heal] = lines_with(run, "Heal (recovery)")
     assert heal.startswith("Heal (recovery) 1 of 1: training diverged at step ")
     assert "Healing: probed 2 train batches" in heal
@@ -257,7 +258,7 @@ def test_bad_data_is_recovered_from_but_not_healed(tmp_path):
         trainer = make_trainer(faulty_experiment, None, tmp_path, **HEAL,
                                **{"data.nan_batches": [6]})
         trainer.train()
-    assert int(trainer.global_step.numpy()) == 24
+    assert int(trainer.run.global_step.numpy()) == 24
     assert [m for m in log if m.startswith("Recovery 1 of 1: training diverged at step 7")]
     assert not [m for m in log if "Heal" in m or "healing probe" in m]  # Not even tried.
     assert read_scalars(tmp_path / "train", "heals") == [0.0]
@@ -269,7 +270,7 @@ def test_a_resumed_run_applies_the_recorded_layers_and_does_not_heal_again(tmp_p
     run = resume(growing_healed, hot_experiment, "growing", tmp_path / "resumed",
                  **HEAL, **{"train.num_steps": 100})
     assert run.error is None
-    assert int(run.trainer.global_step.numpy()) == 100
+    assert int(run.trainer.run.global_step.numpy()) == 100
     [applied] = lines_with(run, "as config.json records")
     assert applied.startswith("Automatic precision: grow, shrink compute in float32")
     assert not lines_with(run, "Heal") and not lines_with(run, "Recovery")
@@ -294,8 +295,8 @@ def test_a_changed_config_keeps_the_resolved_record(tmp_path):
 
 def traced_dtypes(trainer):
     """Sorted (op, dtype attributes) of every node of the traced train step, in its loop bodies too."""
-    graph = tf.function(trainer.train_step.step).get_concrete_function(
-        trainer._train_data.element_spec).graph.as_graph_def()
+    graph = tf.function(trainer.run.train_step.step).get_concrete_function(
+        trainer.run._train_data.element_spec).graph.as_graph_def()
     nodes = list(graph.node) + [node for function in graph.library.function
                                 for node in function.node_def]
 
@@ -317,7 +318,7 @@ def started_tiny(directory, module=tiny_experiment, variant=None, stop_requested
     os.makedirs(directory)
     workdir.write_config(str(directory), trainer.config, 0)
     with absl_messages() as log:
-        trainer.start_precision(stop_requested)
+        auto_precision.start(trainer.run, stop_requested)
     return trainer, log
 
 
@@ -372,7 +373,7 @@ def test_the_probe_asks_for_a_stop_in_each_pass_and_gives_up_with_everything_as_
     # 11 in each pass's tracing: its 3 layer calls, 5 backward steps and 3 layers' statistics.
     assert num_asks == 1 + 4 * 2 + 2 * (3 + 5 + 3)
     plain, _ = started_tiny(tmp_path / "plain", **PLAIN)
-    first_batch, plain_step = tf.nest.flatten(next(plain.train_iterator)), traced_dtypes(plain)
+    first_batch, plain_step = tf.nest.flatten(next(plain.run.train_iterator)), traced_dtypes(plain)
     # After the twin's build; at a layer call, a backward step and a layer's statistics in the
     # float32 pass's tracing; a layer call in the mixed pass's; before the last pass.
     for stop_at in [1, 4, 7, 12, 19, num_asks - 1]:
@@ -390,10 +391,10 @@ def test_the_probe_asks_for_a_stop_in_each_pass_and_gives_up_with_everything_as_
         assert workdir.read_resolved(str(directory)) == {}
         assert not (directory / "precision").exists()
         assert all((a.numpy() == b.numpy()).all()  # The data position put back.
-                   for a, b in zip(first_batch, tf.nest.flatten(next(trainer.train_iterator))))
+                   for a, b in zip(first_batch, tf.nest.flatten(next(trainer.run.train_iterator))))
         assert traced_dtypes(trainer) == plain_step
-    trainer.train_loop(1)
-    assert int(trainer.global_step.numpy()) == 1
+    trainer.run.train_loop(1)
+    assert int(trainer.run.global_step.numpy()) == 1
 
 
 @pytest.mark.slow
@@ -436,7 +437,7 @@ def hot_scaled(tmp_path_factory):
 
 def test_auto_initial_scale_is_the_doctors_advice(tmp_path, hot_scaled):
     doctor = make_trainer(hot_experiment, None, tmp_path)  # The same weights, the probe's batches:
-    [report] = diagnose_batches(doctor, ["model"], itertools.islice(doctor.train_iterator, 2))
+    [report] = diagnose_batches(doctor.run, ["model"], itertools.islice(doctor.run.train_iterator, 2))
     advised = initial_scale_keeping(report, ["hot", "squash"])
     assert advised == report.advice.initial_scale
     # The rule: the largest power of two keeping the largest float16 gradient 2**3 below 65504.

@@ -15,8 +15,8 @@ import tensorflow as tf
 import tiny_experiment
 
 from cli_runs import TINY_CONFIG
-from mixloop.runner import memory
-from mixloop.tools import benchmark
+from mixloop.doctor import memory
+from mixloop.tools import benchmark, benchmark_results, benchmark_variants
 
 
 
@@ -67,7 +67,7 @@ def test_quick_run_prints_the_table_and_writes_every_ratio(tmp_path):
         assert len(row["seconds"]) == 3 and all(s > 0 for s in row["seconds"])
         speed = row["examples_per_sec"]
         assert 0 < speed["min"] <= speed["median"] <= speed["max"]
-    assert list(report["ratios"]) == list(benchmark.RATIOS)
+    assert list(report["ratios"]) == list(benchmark_results.RATIOS)
     assert all(math.isfinite(r) and r > 0 for r in report["ratios"].values()), report["ratios"]
 
     # Peak memory: --quick measures the variants that differ from the configured run in their
@@ -138,7 +138,7 @@ def test_variations_change_settings_and_skip_what_the_configured_run_measures(
     config = tiny_experiment.get_config()
     config.precision.policy, config.precision.loss_scale = policy, loss_scale
     config.jit_compile = True
-    names = list(benchmark.mixloop_configs(config))
+    names = list(benchmark_variants.mixloop_configs(config))
     accumulation = ["mixloop accumulation_steps=1", "mixloop accumulation_steps=4",
                     "mixloop accumulation_steps=8",
                     "mixloop accumulation_steps=1 jit_compile=False", "mixloop jit_compile=False",
@@ -161,54 +161,54 @@ def test_memory_compares_the_variants_that_change_the_policy_alone(policy, loss_
     config = tiny_experiment.get_config()
     config.precision.policy, config.precision.loss_scale = policy, loss_scale
     config.jit_compile = True
-    assert benchmark.policy_rows(benchmark.mixloop_configs(config)) == rows
+    assert benchmark_results.policy_rows(benchmark_variants.mixloop_configs(config)) == rows
 
     peaks = {rows["float32"]: 400, rows["mixed_float16"]: 300, rows["mixed_bfloat16"]: 200,
-             benchmark.LIGHTER: 100}
-    variants = [benchmark.Variant(name, "float32", 2, "none", True, False, False, lambda: None,
+             benchmark_variants.LIGHTER: 100}
+    variants = [benchmark_variants.Variant(name, "float32", 2, "none", True, False, False, lambda: None,
                                   peak_bytes=peaks.get(name))
-                for name in [*benchmark.mixloop_configs(config), benchmark.LIGHTER]]
-    assert benchmark.memory_ratios(variants, config) == {
+                for name in [*benchmark_variants.mixloop_configs(config), benchmark_variants.LIGHTER]]
+    assert benchmark_results.memory_ratios(variants, config) == {
         "mixed_bfloat16/float32": 0.5, "mixed_float16/float32": 0.75, "lighter/float32": 0.25}
-    without_lighter = [v for v in variants if v.name != benchmark.LIGHTER]
-    assert benchmark.memory_ratios(without_lighter, config)["lighter/float32"] is None
+    without_lighter = [v for v in variants if v.name != benchmark_variants.LIGHTER]
+    assert benchmark_results.memory_ratios(without_lighter, config)["lighter/float32"] is None
 
 
 def test_the_lighter_variant_needs_the_configs_adam():
     config = tiny_experiment.get_config()
     trainer_class = tiny_experiment.TinyTrainer
-    assert config.optimizer.name == "adamw" and benchmark.lighter_fits(trainer_class, config)
+    assert config.optimizer.name == "adamw" and benchmark_variants.lighter_fits(trainer_class, config)
     config.optimizer.name = "sgd"  # int8 moments are Adam's.
-    assert not benchmark.lighter_fits(trainer_class, config)
+    assert not benchmark_variants.lighter_fits(trainer_class, config)
     config.optimizer.name = "adam"
     own_optimizer = type("OwnOptimizer", (trainer_class,),
                          {"build_optimizer": lambda self: keras.optimizers.Adam()})
-    assert not benchmark.lighter_fits(own_optimizer, config)
+    assert not benchmark_variants.lighter_fits(own_optimizer, config)
 
 
 def test_a_peak_ratio_that_was_not_measured_reads_n_a_in_the_headline():
     # gan_digits has two objectives, so no lighter variant: its ratio is None, printed as n/a.
     report = dict(trainer="GanTrainer", updates_per_repeat=20, batch_size=64, repeats=5,
                   machine=dict(processor="cpu", cpu_count=2, tensorflow="2", keras="3"),
-                  variants=[], ratios={name: 1.25 for name in benchmark.RATIOS},
+                  variants=[], ratios={name: 1.25 for name in benchmark_results.RATIOS},
                   memory_ratios={"mixed_bfloat16/float32": 1.05, "mixed_float16/float32": 1.02,
                                  "lighter/float32": None})
-    headline = benchmark.format_table(report).splitlines()[-3]
+    headline = benchmark_results.format_table(report).splitlines()[-3]
     assert headline.endswith("mixed_bfloat16 1.05x, mixed_float16 1.02x, lighter n/a"), headline
 
 
 def test_with_xla_off_the_variations_turn_it_on():
     config = tiny_experiment.get_config()
     config.jit_compile = False
-    names = list(benchmark.mixloop_configs(config))
+    names = list(benchmark_variants.mixloop_configs(config))
     assert "mixloop jit_compile=True" in names and "mixloop policy=float32 jit_compile=True" in names
 
 
 def test_a_loss_over_the_whole_batch_is_timed_beside_plain_accumulation():
     config = tiny_experiment.get_config()
-    assert not any("batch_loss" in name for name in benchmark.mixloop_configs(config))
+    assert not any("batch_loss" in name for name in benchmark_variants.mixloop_configs(config))
     config.train.batch_loss = True
-    configs = benchmark.mixloop_configs(config)
+    configs = benchmark_variants.mixloop_configs(config)
     assert "mixloop batch_loss=False" in configs
     plain = configs["mixloop batch_loss=False"]
     assert not plain.train.batch_loss
@@ -218,17 +218,17 @@ def test_a_loss_over_the_whole_batch_is_timed_beside_plain_accumulation():
 
 def test_ratios_pair_repeats_before_taking_the_median():
     def variant(seconds):
-        return benchmark.Variant("v", "float32", 1, "none", False, False, False, run_fn=lambda: None, seconds=seconds)
+        return benchmark_variants.Variant("v", "float32", 1, "none", False, False, False, run_fn=lambda: None, seconds=seconds)
 
     # A noisy second repeat slows both: per-repeat ratios 2, 2, 0.5 have median 2; the ratio of
     # the median speeds would say 1.
     fast, slow = variant([1.0, 4.0, 4.0]), variant([2.0, 8.0, 2.0])
-    assert benchmark.pairwise_ratio(fast, slow) == 2.0
+    assert benchmark_results.pairwise_ratio(fast, slow) == 2.0
 
 
 def test_a_policy_is_compared_with_float32_each_in_its_faster_compile_mode():
     def variant(name, policy, xla, seconds, scale="none"):
-        return benchmark.Variant(name, policy, 2, scale, xla, False, False, run_fn=lambda: None, seconds=seconds)
+        return benchmark_variants.Variant(name, policy, 2, scale, xla, False, False, run_fn=lambda: None, seconds=seconds)
 
     variants = [
         variant("mixloop", "float32", True, [2.0, 2.0, 2.0]),
@@ -241,11 +241,11 @@ def test_a_policy_is_compared_with_float32_each_in_its_faster_compile_mode():
                 [1.0, 1.0, 1.0]),  # Faster, but not the dynamic scale a float16 run uses.
         variant("mixloop +metric", "mixed_bfloat16", False, [0.5, 0.5, 0.5]),  # Not a mode variant.
     ]
-    assert benchmark.fastest_mode(variants, policy="float32").name == "mixloop"
-    best = benchmark.fastest_mode(variants, policy="mixed_bfloat16")
+    assert benchmark_results.fastest_mode(variants, policy="float32").name == "mixloop"
+    best = benchmark_results.fastest_mode(variants, policy="mixed_bfloat16")
     assert best.name == "mixloop policy=mixed_bfloat16 jit_compile=False"
-    assert benchmark.pairwise_ratio(best, variants[0]) == 2.0  # Repeats: 2, 1.6, 2.
-    assert benchmark.fastest_mode(variants, policy="mixed_float16",
+    assert benchmark_results.pairwise_ratio(best, variants[0]) == 2.0  # Repeats: 2, 1.6, 2.
+    assert benchmark_results.fastest_mode(variants, policy="mixed_float16",
                                   loss_scale="dynamic").name == "mixloop policy=mixed_float16"
 
 
@@ -255,14 +255,14 @@ def test_what_model_fit_cannot_train_is_timed_without_the_keras_and_bare_rows():
     config = tiny_experiment.get_config()
     one = SimpleNamespace(objectives={"model": None}, config=config)
     two = SimpleNamespace(objectives={"a": None, "b": None}, config=config)
-    assert benchmark.without_keras(one, pairs) == ""
-    assert benchmark.without_keras(one, images).startswith("train batches that are not (inputs, targets)")
-    assert benchmark.without_keras(two, pairs) == "2 objectives (one loss each)"
+    assert benchmark_variants.without_keras(one, pairs) == ""
+    assert benchmark_variants.without_keras(one, images).startswith("train batches that are not (inputs, targets)")
+    assert benchmark_variants.without_keras(two, pairs) == "2 objectives (one loss each)"
     config.train.batch_loss = True
-    assert benchmark.without_keras(one, pairs).startswith("a loss over the whole batch")
-    assert benchmark.pairwise_ratio(benchmark.Variant("v", "float32", 1, "none", False, False, False,
+    assert benchmark_variants.without_keras(one, pairs).startswith("a loss over the whole batch")
+    assert benchmark_results.pairwise_ratio(benchmark_variants.Variant("v", "float32", 1, "none", False, False, False,
                                                       lambda: None, [1.0]), None) is None
-    assert benchmark._shown(None) == "n/a" and benchmark._shown(1.234) == "1.23"
+    assert benchmark_results._shown(None) == "n/a" and benchmark_results._shown(1.234) == "1.23"
 
 
 def make_trainer(workdir, **overrides):
@@ -282,10 +282,10 @@ def test_the_inner_loop_and_the_step_are_traced_once_over_a_whole_run(tmp_path):
     trainer = make_trainer(tmp_path, **UNEVEN_LOOPS)
     trainer.train()
 
-    assert int(trainer.global_step.numpy()) == 43
-    assert trainer._train_loop.experimental_get_tracing_count() == 1
-    assert trainer.train_step._compiled.experimental_get_tracing_count() == 1
-    assert trainer._eval_step.experimental_get_tracing_count() == 1
+    assert int(trainer.run.global_step.numpy()) == 43
+    assert trainer.run._train_loop.experimental_get_tracing_count() == 1
+    assert trainer.run.train_step.compiled.experimental_get_tracing_count() == 1
+    assert trainer.run.evaluation.step.experimental_get_tracing_count() == 1
 
 
 def test_python_enters_the_inner_loop_once_per_loop_and_the_loop_holds_no_python(tmp_path):
@@ -293,17 +293,17 @@ def test_python_enters_the_inner_loop_once_per_loop_and_the_loop_holds_no_python
     config.train.num_steps, config.train.steps_per_loop, config.train.log_every_steps = 40, 10, 20
     config.jit_compile = True  # Decided before the run: the loop below is the one it calls.
     trainer = tiny_experiment.TinyTrainer(config, str(tmp_path))
-    compiled_loop, loop_lengths = trainer._train_loop, []
+    compiled_loop, loop_lengths = trainer.run._train_loop, []
 
     def counted_loop(iterator, num_steps):
         loop_lengths.append(int(num_steps))
         return compiled_loop(iterator, num_steps)
 
-    trainer._train_loop = counted_loop
+    trainer.run._train_loop = counted_loop
     trainer.train()
 
     assert loop_lengths == [1, 9, 10, 10, 10]  # The first, which compiles, is timed apart.
-    graph = compiled_loop.get_concrete_function(trainer.train_iterator, tf.constant(10)).graph
+    graph = compiled_loop.get_concrete_function(trainer.run.train_iterator, tf.constant(10)).graph
     op_types = {op.type for op in graph.get_operations()}
     op_types |= {node.op for function in graph.as_graph_def().library.function
                  for node in function.node_def}
@@ -313,13 +313,13 @@ def test_python_enters_the_inner_loop_once_per_loop_and_the_loop_holds_no_python
 
 def test_the_metric_variant_adds_one_train_metric_and_keeps_the_loss(tmp_path):
     plain = make_trainer(tmp_path / "plain", **{"train.num_steps": 5})
-    metric_class = benchmark._with_extra_metric(tiny_experiment.TinyTrainer)
-    with_metric = metric_class(plain.config, str(tmp_path / "metric"))
-    assert with_metric.train_metric_names == {"model": [benchmark.EXTRA_METRIC]}
+    with_metric = tiny_experiment.TinyTrainer(plain.config, str(tmp_path / "metric"),
+                                              train_metrics=benchmark_variants.extra_metric)
+    assert with_metric.run.train_metric_names == {"model": [benchmark_variants.EXTRA_METRIC]}
     outputs, batch = tf.constant([[1.0, 2.0, 3.0]]), (tf.zeros([1, 8]), tf.constant([2]))
-    loss = with_metric.compute_loss(outputs, batch)
+    loss = with_metric.run.loss_fn(outputs, batch)
     assert float(loss.value) == pytest.approx(float(plain.compute_loss(outputs, batch)))
-    assert float(loss.metrics[benchmark.EXTRA_METRIC]) == pytest.approx(2.0)
+    assert float(loss.metrics[benchmark_variants.EXTRA_METRIC]) == pytest.approx(2.0)
 
 
 def test_the_keras_fit_loss_gives_compute_loss_its_integer_labels_back(tmp_path):
@@ -333,13 +333,13 @@ def test_the_keras_fit_loss_gives_compute_loss_its_integer_labels_back(tmp_path)
                 tf.cast(correct, tf.float32))
 
     trainer = AccuracyTrainer(tiny_experiment.get_config(), str(tmp_path))
-    loss = benchmark._keras_loss(trainer, tf.int32)(tf.constant([2.0]), tf.constant([[0.0, 0.0, 9.0]]))
+    loss = benchmark_variants._keras_loss(trainer, tf.int32)(tf.constant([2.0]), tf.constant([[0.0, 0.0, 9.0]]))
     assert float(loss) == pytest.approx(math.log1p(2 * math.exp(-9.0)), rel=1e-3)  # float32 softmax
 
 
 def test_timing_logs_each_warm_up_and_each_repeat_as_it_goes(caplog):
     caplog.set_level(logging.INFO)
-    variants = [benchmark.Variant(name, "float32", 1, "none", False, False, False, lambda: time.sleep(0.01))
+    variants = [benchmark_variants.Variant(name, "float32", 1, "none", False, False, False, lambda: time.sleep(0.01))
                 for name in ("bare", "mixloop")]
     benchmark.time_interleaved(variants, repeats=2, examples_per_repeat=100)
 
@@ -392,7 +392,7 @@ CHART_REPORT = dict(
 
 def test_the_chart_is_a_png_of_each_policy_in_each_mode_over_float32_at_its_fastest(tmp_path):
     path = tmp_path / "speed.png"
-    speeds = benchmark.plot(CHART_REPORT, str(path))
+    speeds = benchmark_results.plot(CHART_REPORT, str(path))
 
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     # Groups in MODES' order, bars in POLICIES' order then the float8 rows (the configured mode
@@ -415,7 +415,7 @@ def test_chart_bars_pair_repeats_as_the_headline_does():
     rows = [_row("mixloop", "mixed_bfloat16", True, [1.0, 4.0, 4.0]),
             _row("mixloop policy=float32", "float32", True, [2.0, 8.0, 2.0])]
     report = dict(CHART_REPORT, variants=rows)
-    assert benchmark.policy_speeds(report) == {"XLA": {"float32": 1.0, "mixed_bfloat16": 2.0}}
+    assert benchmark_results.policy_speeds(report) == {"XLA": {"float32": 1.0, "mixed_bfloat16": 2.0}}
 
 
 def test_without_matplotlib_the_chart_is_one_line_naming_the_install(tmp_path, caplog, monkeypatch):
@@ -423,7 +423,7 @@ def test_without_matplotlib_the_chart_is_one_line_naming_the_install(tmp_path, c
         monkeypatch.setitem(sys.modules, module, None)  # Importing it raises ImportError.
     caplog.set_level(logging.INFO)
     path = tmp_path / "speed.png"
-    assert benchmark.plot(CHART_REPORT, str(path)) is None
+    assert benchmark_results.plot(CHART_REPORT, str(path)) is None
     assert not path.exists()
     assert [record.getMessage() for record in caplog.records] == [
         f"matplotlib is not installed, so no {path} (pip install -e '.[plot]')"]

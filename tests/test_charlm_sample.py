@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mixloop.engine.step import forward
+from mixloop.engine.micro_step import forward
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

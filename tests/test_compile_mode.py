@@ -24,6 +24,7 @@ from tensorflow.python.eager import context
 
 from mixloop.config import ConfigError
 from mixloop.errors import UserError
+from mixloop import machine as mixloop_machine
 from mixloop.runner import compile_cache, compile_mode
 
 
@@ -50,10 +51,10 @@ def pinned_speeds(monkeypatch):
     monkeypatch.setattr(compile_mode, "_known_rule", lambda compute_dtype, model: None)  # No rule.
     seconds, timed = {True: 1.0, False: 1.0, "elementwise": 10.0}, []
 
-    def seconds_of_loop(trainer, num_updates):
-        trainer.train_loop(num_updates)
-        timed.append(trainer.jit_compile)
-        return seconds[trainer.jit_compile]
+    def seconds_of_loop(run, num_updates):
+        run.train_loop(num_updates)
+        timed.append(run.jit_compile)
+        return seconds[run.jit_compile]
 
     monkeypatch.setattr(compile_mode, "seconds_of_loop", seconds_of_loop)
     yield seconds, timed
@@ -73,17 +74,17 @@ def test_auto_picks_the_fastest_mode_and_records_it(tmp_path, pinned_speeds, mod
     seconds.update(zip((True, False, "elementwise"), mode_seconds))
     trainer = make_trainer(tmp_path)
     trainer.train()
-    assert trainer.jit_compile == expected
-    assert trainer.train_step.jit_compile is (expected is True)  # Else the graph-mode step.
+    assert trainer.run.jit_compile == expected
+    assert trainer.run.train_step.jit_compile is (expected is True)  # Else the graph-mode step.
     # tiny_experiment accumulates 2 micro-batches: XLA compiles the loop's body.
-    assert getattr(trainer.train_step._body("add_micro_batch"), "_jit_compile",
+    assert getattr(trainer.run.train_step.gradient_source.bodies[0], "_jit_compile",
                    False) is (expected is True)
     assert set(timed) == {True, False, "elementwise"}
     assert timed.count(True) == timed.count(False) == timed.count("elementwise")
     assert resolved(tmp_path) == {"jit_compile": expected}
     # The probe's trace of the chosen loop and step is the one the run goes on with.
-    assert trainer._train_loop.experimental_get_tracing_count() == 1
-    assert trainer.train_step._compiled.experimental_get_tracing_count() == 1
+    assert trainer.run._train_loop.experimental_get_tracing_count() == 1
+    assert trainer.run.train_step.compiled.experimental_get_tracing_count() == 1
 
 
 @pytest.mark.parametrize("mode_seconds, chosen", [
@@ -95,8 +96,8 @@ def test_the_probe_leaves_the_run_bit_identical_to_one_configured_in_the_chosen_
     probed_metrics = probed.train()
     explicit = make_trainer(tmp_path / "explicit", jit_compile=chosen)
     explicit_metrics = explicit.train()
-    assert probed.jit_compile == chosen
-    assert int(probed.global_step.numpy()) == int(explicit.global_step.numpy()) == 20
+    assert probed.run.jit_compile == chosen
+    assert int(probed.run.global_step.numpy()) == int(explicit.run.global_step.numpy()) == 20
     for a, b in zip(probed.model.get_weights(), explicit.model.get_weights()):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(probed.objectives["model"].optimizer.variables,
@@ -117,8 +118,8 @@ def test_a_resume_reuses_the_recorded_choice_without_probing(tmp_path, pinned_sp
     timed.clear()
     resumed = make_trainer(tmp_path, **{"train.num_steps": 30})
     resumed.train()
-    assert int(resumed.global_step.numpy()) == 30
-    assert resumed.jit_compile is False and timed == []
+    assert int(resumed.run.global_step.numpy()) == 30
+    assert resumed.run.jit_compile is False and timed == []
     assert resolved(tmp_path) == {"jit_compile": False}
 
 
@@ -130,7 +131,7 @@ def test_a_resume_with_another_accumulation_policy_or_model_measures_again(tmp_p
     timed.clear()
     resumed = make_trainer(tmp_path, **{"train.num_steps": 30, "train.accumulation_steps": 1})
     resumed.train()
-    assert resumed.jit_compile is True and timed  # Measured again, for the new accumulation.
+    assert resumed.run.jit_compile is True and timed  # Measured again, for the new accumulation.
     assert resolved(tmp_path) == {"jit_compile": True}
 
 
@@ -139,7 +140,7 @@ def test_a_deterministic_run_is_not_timed(tmp_path, pinned_speeds):
     seconds.update({True: 5.0, False: 1.0})
     trainer = make_trainer(tmp_path, deterministic=True)
     trainer.train()
-    assert trainer.jit_compile is True and timed == []  # XLA, as for a short run.
+    assert trainer.run.jit_compile is True and timed == []  # XLA, as for a short run.
 
 
 @pytest.mark.parametrize("jit_compile", [True, False, "elementwise"])
@@ -148,8 +149,8 @@ def test_an_explicit_mode_is_never_probed_or_overridden(tmp_path, pinned_speeds,
     seconds.update({mode: 5.0 if mode == jit_compile else 1.0 for mode in seconds})  # Others win.
     trainer = make_trainer(tmp_path, jit_compile=jit_compile)
     trainer.train()
-    assert trainer.jit_compile == jit_compile and timed == []
-    assert getattr(trainer.train_step._body("add_micro_batch"), "_jit_compile",
+    assert trainer.run.jit_compile == jit_compile and timed == []
+    assert getattr(trainer.run.train_step.gradient_source.bodies[0], "_jit_compile",
                    False) is (jit_compile is True)
     assert resolved(tmp_path) == {}
 
@@ -158,7 +159,7 @@ def _optimized_ops(trainer, num_updates):
     """How many of each op the graphs TensorFlow ran for `num_updates` updates hold, as optimized."""
     context.enable_run_metadata()
     try:
-        trainer.train_loop(num_updates)
+        trainer.run.train_loop(num_updates)
         metadata = context.export_run_metadata()
     finally:
         context.disable_run_metadata()
@@ -185,7 +186,7 @@ config = tiny_experiment.get_config()
 config.jit_compile = "elementwise"
 trainer = tiny_experiment.TinyTrainer(config, tempfile.mkdtemp())
 context.enable_run_metadata()
-trainer.train_loop(2)
+trainer.run.train_loop(2)
 ops = collections.Counter(node.op for graph in context.export_run_metadata().function_graphs
                           for node in graph.post_optimization_graph.node)
 print(ops["_XlaRun"], ops["BiasAddGrad"])
@@ -217,9 +218,9 @@ def test_a_short_run_takes_xla_unprobed_and_several_replicas_graph_mode(tmp_path
     # 20 updates, under MIN_PROBED_UPDATES; float32, which no known rule keeps from XLA.
     short = make_trainer(tmp_path / "short", **{"precision.policy": "float32"})
     short.train()
-    assert short.jit_compile is True
+    assert short.run.jit_compile is True
     mirrored = make_trainer(tmp_path / "mirrored", distribution="mirrored")
-    assert mirrored.jit_compile is False  # Decided at construction: XLA does not compile replicas.
+    assert mirrored.run.jit_compile is False  # Decided at construction: XLA does not compile replicas.
 
 
 @pytest.mark.parametrize("policy, failing_mode, error, chosen", [
@@ -237,15 +238,15 @@ def test_a_mode_that_fails_in_the_probe(tmp_path, monkeypatch, policy, failing_m
     monkeypatch.setattr(compile_mode, "PROBE_SHARE", math.inf)  # Every mode, however short the run.
     real = compile_mode.seconds_of_loop
 
-    def failing(trainer, num_updates):
-        if trainer.jit_compile is failing_mode:
+    def failing(run, num_updates):
+        if run.jit_compile is failing_mode:
             raise error
-        return real(trainer, num_updates)
+        return real(run, num_updates)
 
     monkeypatch.setattr(compile_mode, "seconds_of_loop", failing)
     trainer = make_trainer(tmp_path, **{"precision.policy": policy})
     trainer.train()
-    assert trainer.jit_compile == chosen and type(trainer.jit_compile) is type(chosen) and int(trainer.global_step.numpy()) == 20
+    assert trainer.run.jit_compile == chosen and type(trainer.run.jit_compile) is type(chosen) and int(trainer.run.global_step.numpy()) == 20
     assert resolved(tmp_path) == {}  # Nothing measured, nothing recorded.
 
 
@@ -311,12 +312,12 @@ def test_a_new_workdir_of_the_same_setup_reuses_the_measured_choice(tmp_path, pi
     seconds.update({True: 5.0, False: 5.0, "elementwise": 1.0})
     first = make_trainer(tmp_path / "first")
     first.train()
-    assert first.jit_compile == "elementwise"
+    assert first.run.jit_compile == "elementwise"
     probed = len(timed)
     second = make_trainer(tmp_path / "second")
     with caplog.at_level(logging.INFO):
         second.train()
-    assert second.jit_compile == "elementwise" and len(timed) == probed  # Nothing timed.
+    assert second.run.jit_compile == "elementwise" and len(timed) == probed  # Nothing timed.
     assert any("as measured for this setup on this machine" in r.getMessage() for r in caplog.records)
     assert resolved(tmp_path / "second") == {"jit_compile": "elementwise"}  # A resume keeps it.
 
@@ -343,10 +344,10 @@ def test_with_the_cache_off_every_workdir_measures(tmp_path, pinned_speeds, monk
 def test_an_explicit_mode_is_never_overridden_by_the_cache(tmp_path, explicit):
     trainer = make_trainer(tmp_path, jit_compile=explicit)
     other = next(mode for mode in compile_mode.MODES if mode != explicit)
-    compile_cache.store(compile_cache.key_of(compile_cache.setup(trainer)), other, {})
-    assert compile_mode.choose(trainer) is False and trainer.jit_compile == explicit
+    compile_cache.store(compile_cache.key_of(compile_cache.setup(trainer.run)), other, {})
+    assert compile_mode.choose(trainer.run) is False and trainer.run.jit_compile == explicit
     trainer.train()
-    assert trainer.jit_compile == explicit
+    assert trainer.run.jit_compile == explicit
 
 
 @pytest.mark.parametrize("policy, flags, expected", [
@@ -355,11 +356,11 @@ def test_an_explicit_mode_is_never_overridden_by_the_cache(tmp_path, explicit):
     ("mixed_float16", "avx2", False), ("float32", "avx512_bf16 amx_bf16", True)])
 def test_a_short_run_takes_graph_mode_for_bfloat16_with_its_instructions_and_for_float16(
         tmp_path, monkeypatch, caplog, policy, flags, expected):
-    monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": flags})
+    monkeypatch.setattr(mixloop_machine, "cpu", lambda: {"model": "a CPU", "flags": flags})
     trainer = make_trainer(tmp_path, **{"precision.policy": policy})
     with caplog.at_level(logging.INFO):
         trainer.train()
-    assert trainer.jit_compile is expected
+    assert trainer.run.jit_compile is expected
     assert resolved(tmp_path) == {"jit_compile": expected}  # A resume keeps it.
     [line] = [r.getMessage() for r in caplog.records if "does not measure a run of" in r.getMessage()]
     reason = ("stays lighter than float32 in graph mode" if policy == "mixed_float16"
@@ -369,9 +370,9 @@ def test_a_short_run_takes_graph_mode_for_bfloat16_with_its_instructions_and_for
 
 def test_a_deterministic_run_never_takes_a_timed_choice_from_the_cache(tmp_path):
     trainer = make_trainer(tmp_path, deterministic=True, **{"precision.policy": "float32"})
-    compile_cache.store(compile_cache.key_of(compile_cache.setup(trainer)), "elementwise", {})
+    compile_cache.store(compile_cache.key_of(compile_cache.setup(trainer.run)), "elementwise", {})
     trainer.train()
-    assert trainer.jit_compile is True and resolved(tmp_path) == {"jit_compile": True}
+    assert trainer.run.jit_compile is True and resolved(tmp_path) == {"jit_compile": True}
 
 
 def test_the_probe_compiles_no_mode_past_its_share_of_the_run(tmp_path, pinned_speeds, monkeypatch,
@@ -382,7 +383,7 @@ def test_the_probe_compiles_no_mode_past_its_share_of_the_run(tmp_path, pinned_s
     trainer = make_trainer(tmp_path)
     with caplog.at_level(logging.INFO):
         trainer.train()
-    assert set(timed) == {True} and trainer.jit_compile is True
+    assert set(timed) == {True} and trainer.run.jit_compile is True
     [line] = [r.getMessage() for r in caplog.records if "jit_compile=auto measured" in r.getMessage()]
     assert line.endswith("not timed without XLA, with XLA fusing its elementwise ops: the probe "
                          "stays under 0% of the run's estimated time")
@@ -402,21 +403,21 @@ def test_a_probe_with_room_for_one_mode_times_the_rules_first(tmp_path, pinned_s
     timed = pinned_speeds[1]
     monkeypatch.setattr(compile_mode, "PROBE_SHARE", 1e-9)
     monkeypatch.setattr(compile_mode, "_known_rule", KNOWN_RULE)
-    monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": "avx512_bf16"})
+    monkeypatch.setattr(mixloop_machine, "cpu", lambda: {"model": "a CPU", "flags": "avx512_bf16"})
     trainer = make_trainer(tmp_path, **{"precision.policy": policy})
     trainer.train()
-    assert timed and set(timed) == {first} and trainer.jit_compile == first
+    assert timed and set(timed) == {first} and trainer.run.jit_compile == first
 
 
 def test_a_bfloat16_probe_on_a_cpu_with_its_instructions_leaves_plain_xla_out(tmp_path, pinned_speeds,
                                                                               monkeypatch, caplog):
     timed = pinned_speeds[1]
     monkeypatch.setattr(compile_mode, "_known_rule", KNOWN_RULE)
-    monkeypatch.setattr(compile_cache, "cpu", lambda: {"model": "a CPU", "flags": "avx512_bf16"})
+    monkeypatch.setattr(mixloop_machine, "cpu", lambda: {"model": "a CPU", "flags": "avx512_bf16"})
     trainer = make_trainer(tmp_path, **{"precision.policy": "mixed_bfloat16"})
     with caplog.at_level(logging.INFO):
         trainer.train()
-    assert set(timed) == {False, "elementwise"} and trainer.jit_compile is False
+    assert set(timed) == {False, "elementwise"} and trainer.run.jit_compile is False
     [line] = [r.getMessage() for r in caplog.records if "jit_compile=auto measured" in r.getMessage()]
     assert "2 mode(s) compiled" in line and "; not timed with XLA: a bfloat16 policy" in line
     # What the probe cost beyond compiling the loop the run keeps, which it would compile anyway.
@@ -444,13 +445,13 @@ def test_a_cached_xla_choice_that_a_known_rule_leaves_out_is_measured_again(tmp_
     seconds.update({True: 1.0, False: 2.0, "elementwise": 5.0})
     make_trainer(tmp_path / "first").train()
     assert compile_cache.lookup(compile_cache.key_of(compile_cache.setup(
-        make_trainer(tmp_path / "first"))))["mode"] is True
+        make_trainer(tmp_path / "first").run)))["mode"] is True
     monkeypatch.setattr(compile_mode, "_known_rule", KNOWN_RULE)
     timed.clear()
     second = make_trainer(tmp_path / "second")
     with caplog.at_level(logging.INFO):
         second.train()
-    assert set(timed) == {False, "elementwise"} and second.jit_compile is False
+    assert set(timed) == {False, "elementwise"} and second.run.jit_compile is False
     assert not any("as measured for this setup" in r.getMessage() for r in caplog.records)
 
 
@@ -520,8 +521,8 @@ def test_a_stop_during_the_probe_ends_it_at_its_next_loop_and_the_run_saves(tmp_
     timed = pinned_speeds[1]
     pinned = compile_mode.seconds_of_loop
 
-    def terminated_once_timed(trainer, num_updates):
-        taken = pinned(trainer, num_updates)
+    def terminated_once_timed(run, num_updates):
+        taken = pinned(run, num_updates)
         os.kill(os.getpid(), signal.SIGTERM)  # The run's handler only records the request.
         return taken
 
@@ -529,7 +530,7 @@ def test_a_stop_during_the_probe_ends_it_at_its_next_loop_and_the_run_saves(tmp_
     trainer = make_trainer(tmp_path)
     with caplog.at_level(logging.INFO):
         trainer.train()
-    assert timed == [True] and int(trainer.global_step.numpy()) == 0
+    assert timed == [True] and int(trainer.run.global_step.numpy()) == 0
     assert resolved(tmp_path) == {}
     assert os.path.exists(tmp_path / "checkpoints" / "ckpt-0.index")
     messages = [r.getMessage() for r in caplog.records]

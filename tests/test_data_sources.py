@@ -41,7 +41,7 @@ def test_a_generator_run_stopped_and_resumed_ends_with_the_same_weights(tmp_path
     straight.train()
     notices = [r.getMessage() for r in caplog.records if "cannot be checkpointed" in r.getMessage()]
     assert len(notices) == 1 and "PyFunc is stateful" in notices[0]
-    assert not straight.iterator_in_checkpoint
+    assert not straight.run.iterator_in_checkpoint
 
     half = make_config(**{**generated, "train.num_steps": 6})
     faulty_experiment.FaultyTrainer(half, str(tmp_path / "resumed")).train()
@@ -49,7 +49,7 @@ def test_a_generator_run_stopped_and_resumed_ends_with_the_same_weights(tmp_path
     resumed = faulty_experiment.FaultyTrainer(make_config(**generated), str(tmp_path / "resumed"))
     resumed.train()
 
-    assert int(resumed.global_step.numpy()) == 12
+    assert int(resumed.run.global_step.numpy()) == 12
     # Bit-identical: the resumed run read batches 6..11, as the straight one did (restarting the
     # generator at batch 0 instead differs at the first update after the resume).
     for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
@@ -58,7 +58,7 @@ def test_a_generator_run_stopped_and_resumed_ends_with_the_same_weights(tmp_path
 
 def test_a_tensor_dataset_keeps_its_iterator_in_the_checkpoint(tmp_path):
     trainer = faulty_experiment.FaultyTrainer(make_config(), str(tmp_path))
-    assert trainer.iterator_in_checkpoint and "train_iterator" in trainer.checkpointed
+    assert trainer.run.iterator_in_checkpoint and "train_iterator" in trainer.run.checkpointed
 
 
 # ----- A data pipeline that raises mid-run -----
@@ -119,7 +119,7 @@ def test_a_py_function_that_raises_is_one_line_before_any_checkpoint(tmp_path):
 def test_a_batch_of_the_wrong_shape_names_the_shapes(tmp_path, jit_compile):
     trainer = faulty_experiment.FaultyTrainer(
         make_config(**{"data.bad_shape_batch": 4, "jit_compile": jit_compile}), str(tmp_path))
-    assert trainer.train_step.jit_compile is jit_compile
+    assert trainer.run.train_step.jit_compile is jit_compile
     with pytest.raises(UserError) as raised:
         trainer.train()
     assert str(raised.value) == ("the train step failed near step 5: Matrix size-incompatible: "

@@ -173,7 +173,7 @@ def test_resume_under_mirrored_strategy(tmp_path):
     resumed = make_trainer(tmp_path / "resumed", distribution="mirrored")
     resumed.train()
 
-    assert resumed.strategy.num_replicas_in_sync == 2
+    assert resumed.run.strategy.num_replicas_in_sync == 2
     for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
         np.testing.assert_array_equal(a, b)
 
@@ -244,4 +244,4 @@ def test_two_mirrored_trainers_in_one_process(tmp_path):
         trainer = make_trainer(tmp_path / str(width), distribution="mirrored",
                                **{"model.width": width, "train.num_steps": 10})
         trainer.train()
-        assert int(trainer.global_step.numpy()) == 10
+        assert int(trainer.run.global_step.numpy()) == 10

@@ -144,7 +144,7 @@ def test_an_export_keras_cannot_save_is_a_warning_not_a_traceback(tmp_path, capl
     caplog.set_level(logging.INFO)
     trainer = UnsavableTrainer(tiny_experiment.get_config(), str(tmp_path))
 
-    assert trainer.export() is None
+    assert trainer.run.export() is None
 
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
                  and "Could not export" in r.getMessage()]
@@ -160,7 +160,7 @@ def test_a_model_keras_folder_made_during_the_run_is_one_line_and_leaves_no_part
     (tmp_path / "model.keras").mkdir()
 
     with pytest.raises(UserError) as raised:
-        trainer.export()
+        trainer.run.export()
 
     assert str(raised.value) == (
         f"could not export the model to {tmp_path}/model.keras: Is a directory; move it away and run "

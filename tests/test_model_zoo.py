@@ -19,7 +19,7 @@ from mixloop.engine.layer_precision import named_layers
 from mixloop.engine.loss import as_loss
 from mixloop.engine.loss_scale import DynamicLossScale, NoLossScale
 from mixloop.engine.policy import Policy
-from mixloop.engine.step import forward
+from mixloop.engine.micro_step import forward
 
 keras_hub = pytest.importorskip("keras_hub")
 

@@ -35,7 +35,7 @@ def test_compile_time_is_logged_apart_and_left_out_of_the_speed(tmp_path, caplog
     config.train.num_steps, config.train.repeat_dataset = 10, False  # 16 batches, counted.
     config.jit_compile = True  # Named in the line: "tracing and XLA".
     trainer = UncountedTinyTrainer(config, str(tmp_path))
-    compiled_loop, lengths = trainer.train_loop, []
+    compiled_loop, lengths = trainer.run.train_loop, []
 
     def slow_first_call(num_steps):
         lengths.append(num_steps)
@@ -43,7 +43,7 @@ def test_compile_time_is_logged_apart_and_left_out_of_the_speed(tmp_path, caplog
             time.sleep(COMPILE_SECONDS)
         return compiled_loop(num_steps)
 
-    trainer.train_loop = slow_first_call
+    trainer.run.train_loop = slow_first_call
     metrics = trainer.train()
 
     assert lengths == [1, 4, 5]  # One update alone, then to the steps_per_loop=5 boundaries.

@@ -265,7 +265,7 @@ def test_the_gradient_penalty_trains_in_float16_as_in_float32(tmp_path):
                                                             "jit_compile": False})
         initial = trainer.model.discriminator.get_weights()
         trainer.train()
-        assert trainer.state.skipped_totals() == {"generator": 0, "discriminator": 0}
+        assert trainer.run.state.skipped_totals() == {"generator": 0, "discriminator": 0}
         critics[policy] = [after - before for after, before
                            in zip(trainer.model.discriminator.get_weights(), initial)]
     # The critic's update, the penalty's second-order term included, agrees to float16's rounding.
@@ -312,7 +312,7 @@ def test_ema_is_evaluated_exported_checkpointed_and_swapped_in(tmp_path):
         np.testing.assert_array_equal(now, before)
 
     resumed = make(Recorded, tmp_path, **{"train.ema_decay": decay})
-    resumed.restore()
+    resumed.run.restore()
     with resumed.ema_weights():
         for ema, restored in zip(average, resumed.model.get_weights()):
             close(ema, restored)
@@ -420,10 +420,10 @@ def test_extra_state_survives_a_stop_and_resume(tmp_path):
     resumed = make(trainer_class, tmp_path, **{"train.num_steps": 20})
     assert int(resumed.curriculum.numpy()) == 0
     resumed.train()
-    assert int(resumed.global_step.numpy()) == 20
+    assert int(resumed.run.global_step.numpy()) == 20
     assert int(resumed.curriculum.numpy()) == 4  # Restored to 2, then steps 15 and 20.
     again = make(trainer_class, tmp_path, **{"train.num_steps": 20})
-    again.restore()
+    again.run.restore()
     assert int(again.curriculum.numpy()) == 4
 
 
@@ -470,7 +470,7 @@ def test_frozen_layer_is_untouched_but_checkpointed_and_exported(tmp_path):
     [objective] = trainer.objectives.values()
     frozen_shapes = {tuple(w.shape) for w in initial["hidden"]}  # (8, 16) and (16,): only hidden's.
     assert not frozen_shapes & {tuple(v.shape) for v in objective.optimizer.variables}  # No slots.
-    saved = tf.train.list_variables(trainer.checkpoints.latest_checkpoint)
+    saved = tf.train.list_variables(trainer.run.checkpoints.latest_checkpoint)
     model_entries = [name for name, _ in saved
                      if name.startswith("model_variables/") and name.endswith("VARIABLE_VALUE")]
     assert len(model_entries) == len(trainer.model.variables) == 4

@@ -124,7 +124,7 @@ def test_the_guard_names_the_objective_that_diverges(tmp_path):
     with pytest.raises(guard.TrainingDiverged, match=r"training diverged at step 6 in objective 'b': "
                                                      r"4 updates in a row were skipped .* b/kernel"):
         trainer.train()
-    assert trainer.state.skipped_totals() == {"a": 0, "b": 4}
+    assert trainer.run.state.skipped_totals() == {"a": 0, "b": 4}
 
 
 def test_actions_run_at_their_cadence_and_write_into_tensorboard(tmp_path):
@@ -149,7 +149,7 @@ def test_extra_state_and_both_objectives_survive_a_stop_and_resume(tmp_path, dis
     for name in ("a", "b"):
         assert (resumed.objectives[name].loss_scale.scale.numpy()
                 == straight.objectives[name].loss_scale.scale.numpy())
-        assert resumed.state.skipped_totals() == straight.state.skipped_totals() == {"a": 0, "b": 3}
+        assert resumed.run.state.skipped_totals() == straight.run.state.skipped_totals() == {"a": 0, "b": 3}
 
 
 @pytest.mark.parametrize("distribution", ["auto", "mirrored"])
@@ -158,7 +158,7 @@ def test_ema_weights_are_evaluated_exported_and_resumed(tmp_path, distribution):
                  "distribution": distribution}
     trainer = make(tmp_path / "ema", tiny_experiment.TinyTrainer, **overrides)
     trainer.train()
-    averages = trainer.train_step.ema["model"].averages
+    averages = trainer.run.train_step.ema["model"].averages
     trained = trainer.model.get_weights()
     assert not np.array_equal(averages[0].numpy(), trained[0])
     # Eval reads the EMA weights: the same numbers as a model holding them.
@@ -171,8 +171,8 @@ def test_ema_weights_are_evaluated_exported_and_resumed(tmp_path, distribution):
         np.testing.assert_array_equal(a, b)
     # The averages are checkpointed.
     again = make(tmp_path / "ema", tiny_experiment.TinyTrainer, **overrides)
-    again.restore()
-    np.testing.assert_array_equal(again.train_step.ema["model"].averages[0].numpy(), averages[0].numpy())
+    again.run.restore()
+    np.testing.assert_array_equal(again.run.train_step.ema["model"].averages[0].numpy(), averages[0].numpy())
 
 
 class CadencedTrainer(TwoHeadTrainer):
@@ -217,7 +217,7 @@ def test_an_objective_every_3_steps_is_reported_and_resumes_bit_identical(tmp_pa
             np.testing.assert_array_equal(a, b)
         assert (resumed.objectives[name].loss_scale.scale.numpy()
                 == straight.objectives[name].loss_scale.scale.numpy())
-    assert resumed.state.skipped_totals() == straight.state.skipped_totals() == {"a": 0, "b": 1}
+    assert resumed.run.state.skipped_totals() == straight.run.state.skipped_totals() == {"a": 0, "b": 1}
 
 
 class Noise(keras.layers.Layer):

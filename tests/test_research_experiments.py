@@ -65,7 +65,7 @@ def test_byol_target_is_the_moving_average_of_the_online_network(experiments, tm
     np.testing.assert_array_equal(expected[0], values(online)[0])  # It starts as a copy.
     for _ in range(4):
         before = values(online)
-        trainer.train_loop(1)
+        trainer.run.train_loop(1)
         after = values(online)
         if any(not np.array_equal(a, b) for a, b in zip(after, before)):  # Applied, not skipped.
             expected = [decay * t + (1.0 - decay) * o for t, o in zip(expected, after)]

@@ -15,6 +15,7 @@ import tiny_experiment
 
 from cli_runs import TINY_CONFIG
 from mixloop.errors import UserError
+from mixloop.runner.run import Run
 
 DATA = ".data-00000-of-00001"
 
@@ -75,7 +76,7 @@ def test_a_lost_or_garbled_index_resumes_from_the_newest_checkpoint_on_disk(work
 
     assert "The checkpoint index" in caplog.text and "rebuilt it from the checkpoints on disk" in caplog.text
     assert restored_from(caplog) == [str(checkpoints / "ckpt-60")]
-    assert int(trainer.global_step.numpy()) == 80
+    assert int(trainer.run.global_step.numpy()) == 80
     assert os.stat(checkpoints / "ckpt-60.index").st_mtime_ns == newest_written  # Read, not rewritten.
     # The rotation knew every checkpoint: the oldest went, as with the index intact.
     assert saved_steps(workdir) == [40, 60, 80]
@@ -91,7 +92,7 @@ def test_an_index_naming_only_deleted_checkpoints_starts_afresh(workdir):
 
     trainer = make_trainer(workdir, 80)
 
-    assert trainer.restore() is None and int(trainer.global_step.numpy()) == 0
+    assert trainer.run.restore() is None and int(trainer.run.global_step.numpy()) == 0
     assert os.listdir(workdir / "checkpoints") == []
 
 
@@ -142,7 +143,7 @@ def test_a_damaged_newest_checkpoint_is_named_kept_and_the_previous_one_resumed(
     trainer = make_trainer(workdir, 60)
     # Kept on disk, and out of the index: the manager's rotation will not delete it.
     assert sizes(newest) == damaged_sizes
-    assert trainer.checkpoints.checkpoints == [str(workdir / "checkpoints" / f"ckpt-{step}")
+    assert trainer.run.checkpoints.checkpoints == [str(workdir / "checkpoints" / f"ckpt-{step}")
                                                for step in (20, 40)]
     trainer.train()
 
@@ -198,7 +199,7 @@ def test_the_data_of_a_save_killed_before_its_index_is_no_loss(workdir):
 
     trainer = make_trainer(workdir, 80)
 
-    assert trainer.checkpoints.latest_checkpoint == str(checkpoints / "ckpt-60")
+    assert trainer.run.checkpoints.latest_checkpoint == str(checkpoints / "ckpt-60")
 
 
 # ----- A full disk -----
@@ -206,7 +207,7 @@ def test_the_data_of_a_save_killed_before_its_index_is_no_loss(workdir):
 def test_a_full_disk_during_a_save_is_one_line_and_the_last_good_checkpoint_stays(
         workdir, monkeypatch, caplog):
     trainer = make_trainer(workdir, 80)
-    checkpoints = trainer.checkpoints.directory
+    checkpoints = trainer.run.checkpoints.directory
 
     def save_on_a_full_disk(checkpoint_number):
         """What TensorFlow leaves when the disk fills mid-save: a temp folder and an empty index."""
@@ -216,7 +217,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_last_good_checkpoint_stay
             f"{checkpoints}/ckpt-{checkpoint_number}_temp/part-00000-of-00001.data-00000-of-00001"
             ".tempstate1760; No space left on device"))
 
-    monkeypatch.setattr(trainer.checkpoints, "save", save_on_a_full_disk)
+    monkeypatch.setattr(trainer.run.checkpoints, "save", save_on_a_full_disk)
     with pytest.raises(UserError) as raised:
         trainer.train()
 
@@ -408,7 +409,7 @@ def test_a_full_disk_at_the_compile_probes_state_copy_is_one_line(tmp_path, monk
         raise tf.errors.ResourceExhaustedError(None, None, f"{path}.index; No space left on device")
 
     monkeypatch.setattr(compile_mode, "MIN_PROBED_UPDATES", 0)
-    monkeypatch.setattr(tiny_experiment.TinyTrainer, "save_state", full)
+    monkeypatch.setattr(Run, "save_state", full)
     config = tiny_experiment.get_config()
     config.precision.policy = "float32"  # The compile probe alone.
     with pytest.raises(UserError, match=r"^cannot write to the workdir .*: the compile-mode probe "

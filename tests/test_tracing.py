@@ -83,8 +83,8 @@ def converted(monkeypatch):
 
 def test_the_experiments_hooks_are_converted_and_mixloops_code_is_not(tmp_path, converted):
     trainer = make(BranchingTrainer, tmp_path)
-    totals = trainer.train_loop(4)
-    assert int(trainer.global_step.numpy()) == 4
+    totals = trainer.run.train_loop(4)
+    assert int(trainer.run.global_step.numpy()) == 4
     assert totals["objectives"]["model"]["num_applied"] == 4
     assert int(trainer.clipped.numpy()) == 4  # lr 1e-2 from weights of about 0.3: every update.
     assert "mean_max_logit" in trainer.evaluate()
@@ -96,7 +96,7 @@ def test_the_experiments_hooks_are_converted_and_mixloops_code_is_not(tmp_path, 
 
 def test_mixloops_default_hooks_run_as_written_and_convert_what_they_call(tmp_path, converted):
     trainer = make(tiny_experiment.TinyTrainer, tmp_path)  # Its own compute_loss, eval_metrics.
-    trainer.train_loop(2)
+    trainer.run.train_loop(2)
     trainer.evaluate()
     assert set(converted) == {"tiny_experiment.TinyTrainer.compute_loss",
                               "tiny_experiment.TinyTrainer.eval_metrics"}
@@ -145,6 +145,6 @@ def test_mixloops_one_line_error_raised_inside_a_hook_comes_out_as_raised(tmp_pa
 
 def test_the_inner_loop_stops_at_its_count(tmp_path):
     trainer = make(BranchingTrainer, tmp_path)
-    assert trainer.train_loop(3)["objectives"]["model"]["num_ran"] == 3
-    assert trainer.train_loop(2)["objectives"]["model"]["num_ran"] == 2
-    assert int(trainer.global_step.numpy()) == 5
+    assert trainer.run.train_loop(3)["objectives"]["model"]["num_ran"] == 3
+    assert trainer.run.train_loop(2)["objectives"]["model"]["num_ran"] == 2
+    assert int(trainer.run.global_step.numpy()) == 5

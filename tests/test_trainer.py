@@ -44,7 +44,7 @@ def test_train_writes_the_workdir(tmp_path):
     trainer = make_trainer(tmp_path)
     metrics = trainer.train()
 
-    assert int(trainer.global_step.numpy()) == 40
+    assert int(trainer.run.global_step.numpy()) == 40
     assert metrics["eval_accuracy"] > 0.5  # Three balanced classes: chance is 1/3.
     assert set(os.listdir(tmp_path)) >= {"config.json", "checkpoints", "train", "eval", "model.keras"}
     saved_steps = sorted(int(p.split("-")[-1].split(".")[0])
@@ -82,7 +82,7 @@ def test_resumed_run_is_bit_identical(tmp_path):
     resumed = make_trainer(tmp_path / "resumed", **deterministic)
     resumed.train()
 
-    assert int(resumed.global_step.numpy()) == 40
+    assert int(resumed.run.global_step.numpy()) == 40
     for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(straight.objectives["model"].optimizer.variables,
@@ -94,7 +94,7 @@ def test_a_finished_run_does_nothing_more(tmp_path):
     make_trainer(tmp_path, **{"train.num_steps": 10}).train()
     again = make_trainer(tmp_path, **{"train.num_steps": 10})
     again.train()
-    assert int(again.global_step.numpy()) == 10
+    assert int(again.run.global_step.numpy()) == 10
     assert int(again.objectives["model"].optimizer.iterations.numpy()) == 10
 
 
@@ -117,7 +117,7 @@ def test_one_device_strategy_trains_and_resumes(tmp_path):
     trainer.train()
     resumed = make_trainer(tmp_path, distribution="one_device", **{"train.num_steps": 20})
     resumed.train()
-    assert int(resumed.global_step.numpy()) == 20
+    assert int(resumed.run.global_step.numpy()) == 20
 
 
 def test_accumulation_must_split_each_replica_slice(tmp_path):
@@ -141,12 +141,12 @@ def test_xla_is_as_configured_measured_with_one_replica_and_off_with_two(jit_com
 def test_a_short_default_run_compiles_with_xla_on_one_device_and_without_on_two(tmp_path):
     one = make_trainer(tmp_path / "one", **{"precision.policy": "float32"})  # No rule keeps XLA out.
     two = make_trainer(tmp_path / "two", distribution="mirrored")
-    assert one.jit_compile is None and not two.jit_compile
+    assert one.run.jit_compile is None and not two.run.jit_compile
     one.train()
     two.train()
     # Two micro-batches: with XLA, the loop's body is what XLA compiles.
-    assert one.jit_compile and one.train_step._body("add_micro_batch")._jit_compile
-    assert not two.jit_compile and not two.train_step._compiled._jit_compile
+    assert one.run.jit_compile and one.run.train_step.gradient_source.bodies[0]._jit_compile
+    assert not two.run.jit_compile and not two.run.train_step.compiled._jit_compile
 
 
 class MetricTrainer(tiny_experiment.TinyTrainer):
@@ -203,7 +203,7 @@ def test_a_learning_rate_changed_for_the_resumed_run_takes_effect(tmp_path, capl
     caplog.set_level("INFO")
     make_trainer(tmp_path, **{"train.num_steps": 20}).train()
     resumed = make_trainer(tmp_path, **{"optimizer.learning_rate": 2e-2})
-    resumed.restore()
+    resumed.run.restore()
     optimizer = resumed.objectives["model"].optimizer
     assert float(optimizer.learning_rate) == pytest.approx(2e-2)
     assert int(optimizer.iterations.numpy()) == 20  # The rest of the optimizer's state is restored.
@@ -257,3 +257,58 @@ def test_an_objective_that_never_updates_in_the_run_is_warned_of_in_one_line(tmp
     assert [r.getMessage() for r in caplog.records if "never updates" in r.getMessage()] == [
         "Objective 'model' never updates in this run: every_steps=1000 is more than "
         "train.num_steps=40; lower its every_steps or raise train.num_steps"]
+
+
+# A researcher's names and the framework's: the framework's machinery lives in `trainer.run`, so a
+# subclass's own `state`, `export` or `checkpoints` is its own; the few names the framework lends
+# the subclass are refused in one line at construction when the subclass takes them.
+
+class OwnNamesTrainer(tiny_experiment.TinyTrainer):
+    """Attributes and methods named as the framework's machinery once was (no longer a clash)."""
+
+    def build_model(self):
+        self.state = "the researcher's own"
+        self.checkpoints = []
+        return super().build_model()
+
+    def export(self):
+        return "the researcher's export"
+
+
+def test_a_researchers_own_state_and_export_do_not_touch_the_run(tmp_path):
+    trainer = OwnNamesTrainer(tiny_experiment.get_config(), str(tmp_path / "run"))
+    trainer.train()
+    assert int(trainer.run.global_step.numpy()) == 40
+    assert trainer.state == "the researcher's own" and trainer.export() == "the researcher's export"
+    assert os.path.exists(tmp_path / "run" / "model.keras")  # The run's export still ran.
+
+
+class DefinesPolicy(tiny_experiment.TinyTrainer):
+    policy = "mixed_float16"
+
+
+class DefinesTrain(tiny_experiment.TinyTrainer):
+    def train(self):
+        return {}
+
+
+class AssignsModel(tiny_experiment.TinyTrainer):
+    def build_model(self):
+        self.model = super().build_model()
+        return self.model
+
+
+@pytest.mark.parametrize("trainer_class, line", [
+    (DefinesPolicy, "DefinesPolicy defines 'policy', a name mixloop's Trainer keeps for the run's "
+                    "precision policy (a mixloop.Policy); give yours another name (e.g. self.my_policy)"),
+    (DefinesTrain, "DefinesTrain defines 'train', a name mixloop's Trainer keeps for mixloop's own "
+                   "Trainer.train; give yours another name (e.g. self.my_train)"),
+    (AssignsModel, "AssignsModel assigns 'model', a name mixloop's Trainer keeps for the model "
+                   "build_model() returned, as the run placed it; give yours another name"),
+], ids=["class attribute", "method", "assigned in a hook"])
+def test_a_subclass_taking_a_framework_name_is_one_line_at_construction(tmp_path, trainer_class, line):
+    config = tiny_experiment.get_config()
+    with pytest.raises(UserError) as raised:
+        trainer_class(config, str(tmp_path))
+    assert str(raised.value).startswith(line)
+    assert not os.listdir(tmp_path)  # Refused before the run wrote anything.

@@ -16,6 +16,7 @@ from typing import Any, Callable, Collection, Mapping, Optional
 import numpy as np
 
 from mixloop.errors import UserError
+from mixloop.runner.cadence import Cadence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +46,15 @@ class Action:
                             f"> 0, or at_eval=True; got fn={self.fn!r}, every_steps={every!r}, "
                             f"at_eval={self.at_eval!r}")
 
+    @property
+    def cadence(self) -> Cadence:
+        """When it runs between compiled loops (its every-N part), as the built-in log, eval and
+        checkpoint do (`cadence.Schedule`)."""
+        return Cadence(self.every_steps)
+
     def is_due(self, step: int) -> bool:
         """Whether it runs after update `step` (its every-N part)."""
-        return self.every_steps > 0 and step % self.every_steps == 0
+        return self.cadence.is_due(step)
 
     def describe(self) -> str:
         """Its function's name and when it runs, e.g. "sample (every 100 updates, at eval)"."""

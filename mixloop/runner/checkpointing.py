@@ -20,7 +20,7 @@ import logging as python_logging
 import os
 import re
 import shutil
-from typing import Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import tensorflow as tf
 from absl import logging
@@ -37,6 +37,47 @@ _UNRESTORED_VALUE_WARNINGS = (
     "Value in checkpoint could not be found in the restored object",
     "An attribute in the restored object could not be found in the checkpoint",
 )
+
+
+def contents(model_variables: list, objectives: Mapping[str, Any], state: Any,
+             ema: Mapping[str, Any], extra_state: Mapping[str, Any],
+             train_iterator: Optional[Any]) -> dict[str, Any]:
+    """What a checkpoint of a run holds, by key: the model's variables, each objective's optimizer
+    variables and loss scale, the counters, the EMA averages, the research state and, when it is
+    checkpointed, the data position. Variables go in as lists: Keras 3 does not track every
+    variable (such as dropout seed states) through the model object."""
+    return dict(
+        model_variables=list(model_variables),
+        objectives={name: {"optimizer_variables": list(objective.optimizer.variables),
+                           "loss_scale": objective.loss_scale}
+                    for name, objective in objectives.items()},
+        state=state,
+        ema=ema,
+        extra_state=extra_state,
+        **({"train_iterator": train_iterator} if train_iterator is not None else {}),
+    )
+
+
+def configured_learning_rates(objectives: Mapping[str, Any]) -> dict[str, tuple[Any, float]]:
+    """Per objective with a constant learning rate, its optimizer variable and current value (a
+    schedule has no such variable: it is rebuilt from the config and reads the iterations): what a
+    restore puts back after reading the checkpoint, so a learning rate changed for the resumed run
+    takes effect."""
+    found = {}
+    for name, objective in objectives.items():
+        for variable in objective.optimizer.variables:
+            if variable.name == "learning_rate":
+                found[name] = (variable, float(variable.numpy()))
+    return found
+
+
+def put_back_learning_rates(configured: Mapping[str, tuple[Any, float]]) -> None:
+    """Assigns each of `configured_learning_rates`' values again where the checkpoint changed it."""
+    for name, (variable, value) in configured.items():
+        if float(variable.numpy()) != value:
+            logging.info("Objective %s: learning rate %g from the config (the checkpoint had %g)",
+                         name, value, float(variable.numpy()))
+            variable.assign(value)
 
 
 def make_manager(

@@ -63,11 +63,11 @@ from absl import logging
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 
-from mixloop import interrupts
+from mixloop import errors, interrupts, machine
 from mixloop.config import ELEMENTWISE, ConfigError
 from mixloop.engine import keras_adapter
 from mixloop.engine.layer_precision import named_layers
-from mixloop.runner import compile_cache, controller, workdir
+from mixloop.runner import compile_cache, workdir
 
 KEY = "jit_compile"  # Its config key, and its key in config.json's `resolved` record,
 MEASURED_FOR_KEY = "jit_compile_measured_for"  # beside the settings it was measured for.
@@ -81,7 +81,19 @@ PROBE_SHARE = 0.05
 STOP_POLL_SECONDS = 0.1  # How often the probe looks for a stop while a loop compiles.
 MODES = (True, False, ELEMENTWISE)
 Mode = Union[bool, str]
-JSON_NAMES = {True: "xla", False: "graph", ELEMENTWISE: "elementwise"}  # In the cache and the benchmark.
+
+
+class ModeNames(NamedTuple):
+    """How each place names a compile mode."""
+
+    phrase: str  # In log lines: "Train step with XLA".
+    key: str  # In JSON: the compile-mode cache's speeds, the benchmark's `auto` record.
+    label: str  # In the benchmark's chart, a group of bars.
+
+
+NAMES = {True: ModeNames("with XLA", "xla", "XLA"),
+         False: ModeNames("without XLA", "graph", "graph"),
+         ELEMENTWISE: ModeNames("with XLA fusing its elementwise ops", "elementwise", "elementwise")}
 
 
 # The ops "elementwise" lets XLA cluster: TensorFlow's FUSIBLE categories (matrix products and
@@ -90,16 +102,14 @@ JSON_NAMES = {True: "xla", False: "graph", ELEMENTWISE: "elementwise"}  # In the
 # as such a reduction of an activation-sized tensor, and no reduction depends on another, so
 # clustering merged a model's all into one cluster (through a shape constant they share, or the
 # step's loss weight and scale), which runs only once the last exists: every layer's activation-
-# sized gradient stayed alive to the end of the backward pass. Charlm at d_model 512, batch 256,
-# bfloat16, 1 micro-batch: the allocator's peak 4,843 MiB with FUSIBLE, 1,440 without these, graph
-# mode 1,406; CPU time per update unchanged (0.86-0.92x graph mode's either way, d_model 128 and 512).
+# sized gradient stayed alive to the end of the backward pass, at no gain in speed (docs/speed.md).
 CLUSTERED_OPS = "PW,PWRED,REDUCEWINDOW,BN,SORT,MISC,All,Any,Min,Max,Mean,Prod"
 
 # TensorFlow's auto-clustering flags for "elementwise", each unless TF_XLA_FLAGS names it already:
 AUTO_CLUSTERING_FLAGS = {
     "--tf_xla_ops_to_cluster": CLUSTERED_OPS,
-    # Each cluster's call costs about 0.2 ms on a CPU; a run of fewer ops stays on TensorFlow's
-    # kernels (its default is 4; 8 measured 4% faster on charlm in bfloat16, 16 and 30 slower).
+    # Each cluster's call has a fixed cost on a CPU, so a shorter run of ops stays on TensorFlow's
+    # kernels (TensorFlow's default is 4; 8 measured fastest on charlm, docs/speed.md).
     "--tf_xla_min_cluster_size": "8",
 }
 
@@ -131,8 +141,12 @@ def fastest(speeds: dict[Mode, float]) -> Mode:
 
 def describe(jit_compile: Mode) -> str:
     """How the log lines name a mode."""
-    return ("with XLA fusing its elementwise ops" if jit_compile == ELEMENTWISE
-            else "with XLA" if jit_compile else "without XLA")
+    return NAMES[jit_compile].phrase
+
+
+def mode_of_key(key: str) -> Mode:
+    """The mode JSON names `key` (`ModeNames.key`)."""
+    return next(mode for mode, names in NAMES.items() if names.key == key)
 
 
 @contextlib.contextmanager
@@ -174,72 +188,72 @@ def configured(jit_compile: Any, num_replicas: int) -> tuple[Optional[Mode], str
     return None, "jit_compile=auto: measured before the first update"
 
 
-def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
-    """Sets `trainer`'s compile mode when `config.jit_compile` is "auto" and nothing decided it yet
+def choose(run, stop_requested: Callable[[], bool] = lambda: False) -> bool:
+    """Sets `run`'s compile mode when `config.jit_compile` is "auto" and nothing decided it yet
     (the module docstring), logging one line with the evidence; returns whether it compiled the
     loop in the chosen mode (the probe did). A probe gives up at its next loop once
     `stop_requested()`: the state is put back and the unprobed mode set, unrecorded, so that the
     run saves and exits and its resume measures."""
-    if trainer.jit_compile is not None:
+    if run.jit_compile is not None:
         return False
-    measured_for = _measured_for(trainer.config)
-    resolved = workdir.read_resolved(trainer.workdir)
+    measured_for = _measured_for(run.config)
+    resolved = workdir.read_resolved(run.workdir)
     recorded = resolved.get(KEY)
     if KEY in resolved and not is_mode(recorded):
-        raise workdir.refuse_recorded(trainer.workdir, KEY, recorded,
+        raise workdir.refuse_recorded(run.workdir, KEY, recorded,
                                       'a compile mode: true, false or "elementwise"')
     if KEY in resolved and resolved.get(MEASURED_FOR_KEY) == measured_for:
-        trainer.set_jit_compile(recorded)
+        run.set_jit_compile(recorded)
         logging.info("Train step %s: jit_compile=auto, as config.json records for this workdir",
                      describe(recorded))
         return False
     # Neither may depend on a timing: a deterministic run, and one whose data position a
     # checkpoint cannot hold (the probe could not put it back).
-    unmeasurable = ("a deterministic run (config.deterministic)" if trainer.config.deterministic
-                    else None if trainer.iterator_in_checkpoint
+    unmeasurable = ("a deterministic run (config.deterministic)" if run.config.deterministic
+                    else None if run.iterator_in_checkpoint
                     else "a run whose data position a checkpoint cannot hold")
-    cache_key = compile_cache.key_of(compile_cache.setup(trainer))
+    cache_key = compile_cache.key_of(compile_cache.setup(run))
     cached = None if unmeasurable else compile_cache.lookup(cache_key)
-    rule = _known_rule(trainer.policy.compute_dtype, trainer.model)
+    rule = _known_rule(run.policy.compute_dtype, run.model)
     if cached is not None and is_mode(cached["mode"]) and not (cached["mode"] is True and rule):
-        trainer.set_jit_compile(cached["mode"])
+        run.set_jit_compile(cached["mode"])
         logging.info("Train step %s: jit_compile=auto, as measured for this setup on this machine "
                      "at %s (cache %s; %s=off measures again)", describe(cached["mode"]),
                      cached.get("measured_at", "?"), compile_cache.cache_path(),
                      compile_cache.CACHE_ENV)
-        _record(trainer, cached["mode"], measured_for)
+        _record(run, cached["mode"], measured_for)
         return False
-    left = trainer.config.train.num_steps - int(trainer.global_step.numpy())
+    left = run.config.train.num_steps - int(run.global_step.numpy())
     unprobed = unmeasurable or (f"a run of {left} updates (under {MIN_PROBED_UPDATES})"
                                 if left < MIN_PROBED_UPDATES else None)
     if unprobed:
         mode = False if rule else True
-        trainer.set_jit_compile(mode)
+        run.set_jit_compile(mode)
         logging.info("Train step %s: jit_compile=auto does not measure %s%s; --config.jit_compile=%s "
                      "runs it %s", describe(mode), unprobed, f", and {rule}" if rule else "",
                      not mode, describe(not mode))
-        _record(trainer, mode, measured_for)  # A resume keeps it, whatever the cache learns meanwhile.
+        _record(run, mode, measured_for)  # A resume keeps it, whatever the cache learns meanwhile.
         return False
-    modes = _modes_to_probe(trainer.policy.compute_dtype, rule)
+    modes = _modes_to_probe(run.policy.compute_dtype, rule)
     try:
-        probe = measure(trainer, modes, run_updates=left, stop_requested=stop_requested,
+        probe = measure(run, modes, run_updates=left, stop_requested=stop_requested,
                         abandon_on_stop=interrupts.running_a_command())
     except interrupts.ProbeStopped:
-        trainer.set_jit_compile(False if rule else True)  # As unprobed: by the rule, else XLA.
+        run.set_jit_compile(False if rule else True)  # As unprobed: by the rule, else XLA.
         logging.info("jit_compile=auto: the probe gave up for the stop request, state restored")
         return False
     except tf.errors.OpError as error:
-        failed = trainer.jit_compile
+        failed = run.jit_compile
         chosen = (_fallback(failed, modes) if isinstance(error, (tf.errors.UnimplementedError,
                                                                  tf.errors.ResourceExhaustedError))
                   else failed)
-        trainer.set_jit_compile(chosen)
+        run.set_jit_compile(chosen)
         logging.warning("Train step %s: jit_compile=auto could not time it %s: %s", describe(chosen),
-                        describe(failed), controller.op_error_summary(error))
+                        describe(failed), errors.op_error_summary(error))
         return False
     speeds = probe.speeds
     chosen = fastest(speeds)
-    trainer.set_jit_compile(chosen)
+    run.set_jit_compile(chosen)
     others = [mode for mode in speeds if mode != chosen]
     untimed = [describe(mode) for mode in modes if mode not in speeds]
     # The chosen mode's compilation is no cost of the probe: the run goes on with that loop.
@@ -251,17 +265,17 @@ def choose(trainer, stop_requested: Callable[[], bool] = lambda: False) -> bool:
                  f"; not timed {describe(True)}: {rule}" if rule else "",
                  f"; not timed {', '.join(untimed)}: the probe stays under {PROBE_SHARE:.0%} of "
                  f"the run's estimated time" if untimed else "")
-    _record(trainer, chosen, measured_for)
-    if trainer.is_chief:
-        compile_cache.store(cache_key, chosen, {JSON_NAMES[mode]: round(speed, 1)
+    _record(run, chosen, measured_for)
+    if run.is_chief:
+        compile_cache.store(cache_key, chosen, {NAMES[mode].key: round(speed, 1)
                                                 for mode, speed in speeds.items()})
     return True
 
 
-def _record(trainer, mode: Mode, measured_for: dict[str, Any]) -> None:
+def _record(run, mode: Mode, measured_for: dict[str, Any]) -> None:
     """Records `mode` in config.json, with what it was measured for: a resume keeps it."""
-    if trainer.is_chief:
-        workdir.record_resolved(trainer.workdir, {KEY: mode, MEASURED_FOR_KEY: measured_for})
+    if run.is_chief:
+        workdir.record_resolved(run.workdir, {KEY: mode, MEASURED_FOR_KEY: measured_for})
 
 
 def _known_rule(compute_dtype: Any, model: keras.Model) -> Optional[str]:
@@ -269,12 +283,13 @@ def _known_rule(compute_dtype: Any, model: keras.Model) -> Optional[str]:
 
     - a bfloat16 policy where the flags have AVX512_BF16 or AMX, whose bfloat16 matrix products
       only TensorFlow's own kernels use (XLA on a CPU does not: plain XLA measured the slowest mode
-      there, charlm at width 512 18.2 examples/s against 27.6 in graph mode);
+      there);
     - a float16 policy for a model without convolutions: the memory TensorFlow's kernels keep from
       the precision probe's passes is reused by a loop in graph mode, while XLA's buffers come on
-      top of it (charlm at width 512: 1.43x float32's peak with XLA, 0.94x in graph mode), and XLA
-      on a CPU has no float16 arithmetic to gain speed from. TensorFlow's float16 convolutions on
-      a CPU are slow, so a model with them keeps XLA (digits: 331 steps/s, 228 in graph mode).
+      top of it, and XLA on a CPU has no float16 arithmetic to gain speed from. TensorFlow's
+      float16 convolutions on a CPU are slow, so a model with them keeps XLA.
+
+    docs/speed.md gives the measurements behind each rule.
     """
     if tf.config.list_physical_devices("GPU"):
         return None
@@ -286,7 +301,7 @@ def _known_rule(compute_dtype: Any, model: keras.Model) -> Optional[str]:
                 "probe leaves)")
     if tf.as_dtype(compute_dtype) != tf.bfloat16:
         return None
-    flags = set(compile_cache.cpu()["flags"].split())
+    flags = set(machine.cpu()["flags"].split())
     found = sorted(flags & {"avx512_bf16", "amx_bf16"})
     if not found:
         return None
@@ -305,8 +320,8 @@ _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
 def _modes_to_probe(compute_dtype: Any, rule: Optional[str]) -> list[Mode]:
     """The modes the probe times, in order (within its budget a shorter run times only the first):
     all three; where a known rule holds, plain XLA left out, and for bfloat16 XLA fusing the
-    elementwise ops first (charlm at width 512 on an AVX512_BF16 CPU, batch 64: 99.3 examples/s
-    against 87.9 in graph mode; float16 keeps graph mode first, its lighter mode)."""
+    elementwise ops first (measured the faster on an AVX512_BF16 CPU, docs/speed.md; float16 keeps
+    graph mode first, its lighter mode)."""
     if not rule:
         return list(MODES)
     return [ELEMENTWISE, False] if tf.as_dtype(compute_dtype) == tf.bfloat16 else [False, ELEMENTWISE]
@@ -327,17 +342,17 @@ def _over_budget(elapsed: float, num_measured: int, run_updates: int,
     return elapsed * (num_measured + 1) / num_measured > PROBE_SHARE * run_seconds
 
 
-def _saved_state(trainer, directory: str) -> str:
-    """`trainer.save_state` into `directory` (the probe's way back).
+def _saved_state(run, directory: str) -> str:
+    """`run.save_state` into `directory` (the probe's way back).
 
     Raises:
       workdir.UnusableWorkdir: when the disk is full: the run could save no checkpoint either.
     """
     try:
-        return trainer.save_state(os.path.join(directory, "state"))
+        return run.save_state(os.path.join(directory, "state"))
     except (tf.errors.ResourceExhaustedError, OSError) as error:
         raise workdir.UnusableWorkdir(
-            f"cannot write to the workdir {trainer.workdir}: the compile-mode probe could not copy "
+            f"cannot write to the workdir {run.workdir}: the compile-mode probe could not copy "
             f"the state ({workdir.error_reason(error)}); free some space or choose another "
             "--workdir") from None
 
@@ -367,10 +382,10 @@ class Probe(NamedTuple):
         return max(0.0, self.seconds - self.compile_seconds[kept])
 
 
-def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] = None,
+def measure(run, modes: Sequence[Mode] = MODES, run_updates: Optional[int] = None,
             stop_requested: Callable[[], bool] = lambda: False, abandon_on_stop: bool = False
             ) -> Probe:
-    """The probe: each of `modes` compiled and timed from the trainer's current state, which it
+    """The probe: each of `modes` compiled and timed from the run's current state, which it
     leaves as it was (the benchmark reports it too). With
     `run_updates` (the run's length) it compiles no further mode once that would take it past
     PROBE_SHARE of the run's time at the fastest step timed so far: at least the first is measured.
@@ -382,8 +397,8 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
         compilation.
     """
     started = time.perf_counter()
-    with workdir.scratch_folder(trainer.workdir, ".compile-probe-") as directory:
-        saved = _saved_state(trainer, directory)
+    with workdir.scratch_folder(run.workdir, ".compile-probe-") as directory:
+        saved = _saved_state(run, directory)
         abandoned = False
         try:
             seconds, compile_seconds = {}, {}
@@ -392,11 +407,11 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
                         time.perf_counter() - started, len(seconds), run_updates, seconds):
                     break
                 interrupts.check_stop(stop_requested)
-                trainer.set_jit_compile(mode)
+                run.set_jit_compile(mode)
                 compile_seconds[mode] = _seconds_of_first_loop(
-                    trainer, stop_requested if abandon_on_stop else None)
+                    run, stop_requested if abandon_on_stop else None)
                 interrupts.check_stop(stop_requested)
-                seconds[mode] = seconds_of_loop(trainer, 1)
+                seconds[mode] = seconds_of_loop(run, 1)
             # Per mode, about PROBE_SECONDS a loop: a mode 30x slower is timed on fewer updates.
             num_updates = {mode: max(1, min(MAX_PROBE_UPDATES,
                                             math.ceil(PROBE_SECONDS / max(seconds[mode], 1e-9))))
@@ -405,42 +420,42 @@ def measure(trainer, modes: Sequence[Mode] = MODES, run_updates: Optional[int] =
             for _ in range(PROBE_ROUNDS):
                 for mode in seconds:
                     interrupts.check_stop(stop_requested)
-                    trainer.set_jit_compile(mode)
-                    before = int(trainer.global_step.numpy())
-                    seconds_taken = seconds_of_loop(trainer, num_updates[mode])
+                    run.set_jit_compile(mode)
+                    before = int(run.global_step.numpy())
+                    seconds_taken = seconds_of_loop(run, num_updates[mode])
                     # A loop the guard ends early (a divergence) made fewer updates.
-                    done = max(1, int(trainer.global_step.numpy()) - before)
+                    done = max(1, int(run.global_step.numpy()) - before)
                     rounds[mode].append(seconds_taken / done)
         except interrupts.ProbeAbandoned:
             abandoned = True  # A thread still runs the loop: the state is the process's to drop.
             raise
         finally:
             if not abandoned:
-                trainer.restore_state(saved)
-    batch_size = trainer.config.train.batch_size
+                run.restore_state(saved)
+    batch_size = run.config.train.batch_size
     speeds = {mode: batch_size / statistics.median(values) for mode, values in rounds.items()}
     return Probe(speeds, time.perf_counter() - started, compile_seconds)
 
 
-def _seconds_of_first_loop(trainer, stop_requested: Optional[Callable[[], bool]]) -> float:
-    """Seconds of the trainer's first loop in the mode set, one update: it traces and compiles.
+def _seconds_of_first_loop(run, stop_requested: Optional[Callable[[], bool]]) -> float:
+    """Seconds of the run's first loop in the mode set, one update: it traces and compiles.
     With `stop_requested` the loop runs in a thread of its own, seeing this thread's Keras state,
-    while this one watches `stop_requested()`: compiling runs in C++ for seconds (charlm's quick
-    run: 12 s), where no signal handler runs.
+    while this one watches `stop_requested()`: compiling runs in C++ for seconds, where no signal
+    handler runs.
 
     Raises:
       interrupts.ProbeAbandoned: once `stop_requested()` while the loop runs (its thread goes on).
     """
     started = time.perf_counter()
     if stop_requested is None:
-        trainer.train_loop(1)
+        run.train_loop(1)
         return time.perf_counter() - started
     keras_state, failure = keras_adapter.thread_state(), []
 
     def first_loop() -> None:
         keras_adapter.adopt_thread_state(keras_state)  # Keras keeps its global state per thread.
         try:
-            trainer.train_loop(1)
+            run.train_loop(1)
         except BaseException as error:  # Raised again in the caller's thread.
             failure.append(error)
 
@@ -455,9 +470,9 @@ def _seconds_of_first_loop(trainer, stop_requested: Optional[Callable[[], bool]]
     return time.perf_counter() - started
 
 
-def seconds_of_loop(trainer, num_updates: int) -> float:
-    """Seconds `num_updates` updates of the trainer's compiled loop take, read back to the host (the
+def seconds_of_loop(run, num_updates: int) -> float:
+    """Seconds `num_updates` updates of the run's compiled loop take, read back to the host (the
     probe's one measurement: tests pin it)."""
     started = time.perf_counter()
-    trainer.train_loop(num_updates)
+    run.train_loop(num_updates)
     return time.perf_counter() - started

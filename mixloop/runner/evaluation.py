@@ -1,0 +1,90 @@
+"""Evaluation: the mean of the eval metrics over the eval set, with the EMA weights swapped in, and the
+run's random states put back afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Mapping
+
+import keras
+import tensorflow as tf
+
+from mixloop import errors
+from mixloop.engine import tracing
+from mixloop.engine.ema import ExponentialMovingAverage
+from mixloop.engine.micro_step import forward
+from mixloop.engine.policy import Policy
+from mixloop.errors import UserError
+
+
+class Evaluation:
+    """The eval step of `model` in `policy` on batches of `data` (`num_batches` of them; 0 for
+    all), its inputs from `input_fn` and its metrics from `metrics_fn(outputs, batch)`."""
+
+    def __init__(self, model: keras.Model, policy: Policy, input_fn: Callable[[Any], Any],
+                 metrics_fn: Callable[[Any, Any], Mapping[str, Any]], num_batches: int):
+        self.model, self.policy = model, policy
+        self.input_fn, self.metrics_fn = input_fn, metrics_fn
+        self.num_batches = num_batches
+        self.forget()
+
+    def forget(self) -> None:
+        """Forgets the traced eval step (after a layer moved to float32)."""
+        self.step = tracing.function(self._eval_batch)  # The eval step, traced per batch shape.
+
+    def mean_metrics(self, data: tf.data.Dataset) -> dict[str, float]:
+        """The mean of each metric over the examples of `data`: a batch's metrics count by its
+        number of examples, so a short last batch counts as little as it holds.
+
+        Raises:
+          UserError: when `data` has no batch.
+        """
+        if self.num_batches:
+            data = data.take(self.num_batches)
+        sums, num_examples = {}, 0
+        for batch in data:
+            metrics, size = self.step(batch)
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * int(size)
+            num_examples += int(size)
+        if not num_examples:
+            raise UserError(errors.EMPTY_EVAL_DATA)
+        return {name: total / num_examples for name, total in sums.items()}
+
+    def _eval_batch(self, batch: Any) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+        """One eval batch's metrics and its number of examples."""
+        outputs = forward(self.model, self.policy, tracing.hook(self.input_fn)(batch), training=False)
+        metrics = {name: tf.cast(value, tf.float32)
+                   for name, value in tracing.hook(self.metrics_fn)(outputs, batch).items()}
+        return metrics, tf.shape(tf.nest.flatten(batch)[0])[0]
+
+
+@contextlib.contextmanager
+def ema_swapped_in(averages: Mapping[str, ExponentialMovingAverage],
+                   strategy: tf.distribute.Strategy) -> Iterator[None]:
+    """Each of `averages` (by objective) in its weights for the `with` block."""
+    with contextlib.ExitStack() as stack, strategy.scope():
+        for average in averages.values():
+            stack.enter_context(average.swapped_in())
+        yield
+
+
+@contextlib.contextmanager
+def states_kept(states: list, strategy: tf.distribute.Strategy) -> Iterator[None]:
+    """Each variable of `states` put back as it was after the `with` block."""
+    saved = [tf.identity(state) for state in states]
+    try:
+        yield
+    finally:
+        with strategy.scope():
+            for state, value in zip(states, saved):
+                state.assign(value)
+
+
+def random_states(model: keras.Model, research_state: Mapping[str, Any]) -> list:
+    """The variables that hold random states: each Keras `SeedGenerator`'s in `model` (Keras lists
+    them in `variables` but not in `weights`) and each `tf.random.Generator`'s in `research_state`."""
+    weights = {id(weight) for weight in model.weights}
+    return ([v for v in model.variables if id(v) not in weights]
+            + [value.state for value in research_state.values()
+               if isinstance(value, tf.random.Generator)])
