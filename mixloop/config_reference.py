@@ -2,7 +2,7 @@
 the function's own source, as the Markdown tables of docs/config.md.
 
 `python -m mixloop.config_reference` prints them; `--write` puts them between the markers of
-docs/config.md; tests/test_config_reference.py fails while that page differs from the code.
+docs/config.md; tests/package/test_config_reference.py fails while that page differs from the code.
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ import time
 import numpy as np
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+FIXTURES_DIR = os.path.join(TESTS_DIR, "fixtures")
 ROOT = os.path.dirname(TESTS_DIR)
 CHARLM = os.path.join(ROOT, "experiments", "charlm.py") + ":quick"
-TINY = os.path.join(TESTS_DIR, "tiny_experiment.py")
+TINY = os.path.join(FIXTURES_DIR, "tiny_experiment.py")
 LIGHTER = ["--config.precision.policy=mixed_bfloat16", "--config.precision.master_weights=bfloat16",
            "--config.optimizer.state_dtype=int8", "--config.train.accumulation_dtype=bfloat16",
            "--config.train.recompute=block0_mlp.*|block0_ln2"]
@@ -49,7 +50,7 @@ RUNS = {
                       "--config.jit_compile=False"],
     "byol_digits": [f"--config={os.path.join(ROOT, 'experiments', 'byol_digits.py')}:quick",
                     "--config.jit_compile=False"],
-    "float8_mlp": [f"--config={os.path.join(TESTS_DIR, 'float8_experiment.py')}",
+    "float8_mlp": [f"--config={os.path.join(FIXTURES_DIR, 'float8_experiment.py')}",
                    "--config.jit_compile=False", "--config.train.num_steps=30"],
     "lighter_graph": [f"--config={CHARLM}", *LIGHTER, "--config.jit_compile=False"],
     "lighter_xla": [f"--config={CHARLM}", *LIGHTER, "--config.jit_compile=True"],
@@ -80,7 +81,7 @@ def record(output: str, names: list[str]) -> None:
     """Runs each named run in `output/work/<name>` and writes its final checkpoint's variables to
     `output/<name>.npz`; stops at the first run that fails, with its stderr's tail."""
     env = dict(os.environ, MIXLOOP_CACHE_DIR="off", TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([TESTS_DIR, ROOT, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([FIXTURES_DIR, ROOT, os.environ.get("PYTHONPATH", "")]))
     for name in names:
         workdir = os.path.join(output, "work", name)
         if os.path.exists(workdir):

@@ -11,7 +11,9 @@ import sys
 import command_server
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-TINY_CONFIG = os.path.join(TESTS_DIR, "tiny_experiment.py")
+FIXTURES_DIR = os.path.join(TESTS_DIR, "fixtures")  # The fixture experiments.
+REPO = os.path.dirname(TESTS_DIR)
+TINY_CONFIG = os.path.join(FIXTURES_DIR, "tiny_experiment.py")
 
 
 FRESH_PROCESSES = os.environ.get("MIXLOOP_TESTS_FRESH_PROCESSES") == "1"
@@ -21,7 +23,7 @@ def command_line(command, *args, prefix=(), env=None):
     """The command line and environment of `python -m <command> args`, run via `prefix`, with the
     tests' experiments importable and `env` added."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}),
-               PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([TESTS_DIR, FIXTURES_DIR, os.environ.get("PYTHONPATH", "")]))
     return [*prefix, sys.executable, "-m", command, *args], env
 
 

@@ -118,7 +118,9 @@ def _server_path() -> str:
     if _server is None or _server[0].poll() is not None:
         path = os.path.join(tempfile.mkdtemp(prefix="mixloop-forks-"), "socket")
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.pathsep.join(
-            [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]))
+            [os.path.dirname(os.path.abspath(__file__)),
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"),
+             os.environ.get("PYTHONPATH", "")]))
         process = subprocess.Popen([sys.executable, os.path.abspath(__file__), path], env=env,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.DEVNULL, text=True)

@@ -1,7 +1,13 @@
-"""Shared test setup: quiet TensorFlow, seeded randomness, Keras's float32 default and a garbage
-collection after every test."""
+"""Shared test setup: the helpers and fixture experiments importable from every test folder, quiet
+TensorFlow, seeded randomness, Keras's float32 default and a garbage collection after every test."""
 
 import os
+import sys
+
+# tests/ (cli_runs, command_server) and tests/fixtures/ (the fixture experiments, which configs name
+# as `tiny_experiment.TinyTrainer`), whatever folder a test file is in.
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TESTS_DIR, os.path.join(_TESTS_DIR, "fixtures")]
 
 # Set before TensorFlow is first imported, so its C++ start-up logging stays quiet.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

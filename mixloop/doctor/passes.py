@@ -80,8 +80,7 @@ class Net:
 
 
 def traced_pass(run, objective: str, net: Net, dtypes: dict[int, str],
-                 stop_requested: Callable[[], bool], float8: Collection[int] = ()
-                 ) -> Callable[..., Pass]:
+                stop_requested: Callable[[], bool], float8: Collection[int] = ()) -> Callable[..., Pass]:
     """The train step's micro-step for `objective` through `net`, recording every layer call, as a
     function of (micro-batch, loss scale, non-trainable state, examined_scale=1.0); its gradients
     are unscaled. Each pass starts from the non-trainable `state` (seed generators' states,

@@ -1,2 +1,2 @@
-"""The engine: explicit mixed precision for one update (policy, loss scale, per-layer precision,
-loss forms, objectives, EMA, the train step), usable without the runner."""
+"""The engine: explicit mixed precision for one update (the train step and its seams: policy, loss
+scale, micro-step, gradient sources, accumulators, retries), usable without the runner."""

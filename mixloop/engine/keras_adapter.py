@@ -1,4 +1,4 @@
-"""The Keras private names mixloop relies on, in one place, each pinned by tests/test_keras_adapter.py.
+"""The Keras private names mixloop relies on, in one place, each pinned by tests/engine/test_keras_adapter.py.
 
 Keras 3 has no public call for these. When Keras changes one, its test fails loudly and names it,
 instead of a layer silently computing in the wrong dtype or gradients being summed twice.

@@ -33,7 +33,7 @@ from mixloop.engine import keras_adapter
 from mixloop.engine.policy import Policy
 
 # Layer types whose own arithmetic loses too much in 16 bits, as measured by
-# tests/test_layer_precision.py::test_default_float32_types_are_the_ones_16_bits_break: softmax
+# tests/engine/test_layer_precision.py::test_default_float32_types_are_the_ones_16_bits_break: softmax
 # (exponentials, sums along a long axis: ~10x the error of rounding its float32 result) and
 # UnitNormalization (its sum of squares overflows float16). Keras's Layer-, Batch-, Group- and
 # RMSNormalization already compute their statistics in float32 inside, and Embedding gathers rows of

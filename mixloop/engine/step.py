@@ -28,12 +28,11 @@ from typing import Any, Callable, Mapping, Optional
 import keras
 import tensorflow as tf
 
-from mixloop.engine import kernels, replicas, tracing
+from mixloop.engine import keras_adapter, kernels, replicas, tracing
 from mixloop.engine.accumulators import Accumulators
 from mixloop.engine.batch_loss import TwoPasses
 from mixloop.engine.ema import ExponentialMovingAverage
 from mixloop.engine.gradients import Gradients, Partition, averaged, clipped, finite_per_variable
-from mixloop.engine import keras_adapter
 from mixloop.engine.loss_scale import LossScale, NoLossScale, leaves_finite
 from mixloop.engine.micro_batches import BodyCompiler, MicroBatches
 from mixloop.engine.micro_step import Batch, MicroStep, default_input_fn, when

@@ -9,7 +9,7 @@ gradient and GELU apply to what mixloop traces, and to nothing else in the proce
 traced, as inside a `tf.function`: Python `if`/`for` over tensors become graph control flow, and an
 error raised in them names the experiment's lines ('in user code: ...'). Keras's own `fit` traces
 its step without AutoGraph too. `ag_ctx` is TensorFlow's private module for AutoGraph's on/off
-status; tests/test_tracing.py fails loudly if it changes.
+status; tests/engine/test_tracing.py fails loudly if it changes.
 """
 
 from __future__ import annotations

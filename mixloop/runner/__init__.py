@@ -1,2 +1,2 @@
-"""The runner: the Trainer a research model subclasses and the loops around the engine (controller,
-run state, actions, workdir, checkpoints, reporting, distribution, the divergence guard)."""
+"""The runner: the Trainer a research model subclasses, the run built from its hooks, and the loops
+around the engine (controller, cadence, recovery, checkpoints, workdir, reporting, distribution)."""

@@ -154,7 +154,7 @@ def calls_in(jit_compile: Optional[Mode]) -> Iterator[None]:
     """Inside, the `tf.function` calls made (and traced) run in mode `jit_compile`'s graph options:
     for "elementwise", TensorFlow's auto-clustering on, CPU included; else as they are. TensorFlow
     has no public call for one call's options (`tf.config.optimizer.set_jit` is process-wide), so
-    this sets the eager context's (tests/test_compile_mode.py pins it)."""
+    this sets the eager context's (tests/runner/test_compile_mode.py pins it)."""
     if jit_compile != ELEMENTWISE:
         yield
         return

@@ -1,1 +1,1 @@
-"""The tools, apart from engine and runner: the precision doctor and the speed benchmark."""
+"""The tools, above the runner: the precision doctor's command and the speed benchmark."""
