@@ -129,6 +129,8 @@ class BYOLTrainer(mixloop.Trainer):
 
         def follow_online():
             for target_weight, online_weight in zip(target.weights, online.weights):
+                # The online weights as stored: bfloat16 with precision.master_weights="bfloat16".
+                online_weight = tf.cast(online_weight, target_weight.dtype)
                 target_weight.assign(decay * target_weight + (1.0 - decay) * online_weight)
 
         return {"model": mixloop.Objective(self.model, mixloop.build_optimizer(self.config),

@@ -236,7 +236,7 @@ def _exit_with(error: UserError) -> None:
 
 def run(command: Callable[[], None]) -> None:
     """Runs `command` as a program: flags parsed, a `UserError` printed as one line with its exit
-    code, and so is a TypeError or ValueError from the experiment's Trainer methods (`_hook_failure`)."""
+    code, and so is any exception raised in the experiment's Trainer methods (`_hook_failure`)."""
 
     def main(argv: list[str]) -> None:
         reads: set[tuple[int, str]] = set()
@@ -245,7 +245,7 @@ def run(command: Callable[[], None]) -> None:
                 command()
         except UserError as error:
             _exit_with(error)
-        except (TypeError, ValueError) as error:
+        except Exception as error:  # The experiment's own hook failing is one line; the rest not.
             user_error = _hook_failure(error, reads)
             if user_error is None:
                 raise

@@ -105,17 +105,24 @@ def op_error_summary(error: Exception) -> str:
     """
     noise = ("Graph execution error", "Detected at node", 'File "', "[[", "Stack trace",
              "tf2xla conversion failed")
-    lines = [line.strip() for line in error.message.splitlines()]
+    # XLA follows its own line with where the op was made: the graph's Python stack, not the cause.
+    lines = [line.strip() for line in error.message.split("The op is created at:")[0].splitlines()]
     useful = [line for line in lines if line and not line.startswith(noise)]
     summary = (useful[-1] if useful else lines[0]).split("\t")[0].strip()
     summary = re.sub(r"^Error in user-defined function passed to .*? with iterator: \S+: ", "",
                      summary)
     summary = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", summary)  # A function called eagerly.
     summary = re.sub(r"\s+Label values:.*", "", summary)  # Every label of the batch.
+    summary = re.sub(r"^Detected unsupported operations when trying to compile graph \S+ on \S+: ",
+                     f"{XLA_CANNOT_COMPILE} ", summary)
+    summary = re.sub(r"\s*compatible with node\s*\{\{node [^}]*\}\}\)\{\{node [^}]*\}\}", ")", summary)
     if re.search(_INDEX_OUT_OF_RANGE, summary):
         summary += " (an integer input, such as a label, outside its valid range)"
     return summary
 
+
+# How op_error_summary begins the line of an op XLA has no kernel for.
+XLA_CANNOT_COMPILE = "XLA cannot compile"
 
 # How TensorFlow's kernels without XLA say an index is out of range: gather (an embedding, a
 # label's row), the segment sums of a gather's gradient, the sparse cross-entropy.

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from mixloop.engine import lighter_model, low_bit
 from mixloop.engine.compact_optimizer import quantizes_moments
+from mixloop.engine.objective import trained_variables
 
 PARTS = ("weights", "optimizer state", "accumulators", "EMA")  # In the order the line shows them.
 _ACCELERATORS = ("GPU", "TPU")
@@ -88,15 +89,17 @@ class PersistentState:
 
 
 def persistent_state(run: Any) -> PersistentState:
-    """The persistent state of a built Trainer, from its `model` (the trainable parameters and the
+    """The persistent state of a built run, from its `model` (the trainable parameters and the
     weights), `objectives` (their optimizers' state; the variables accumulated), `train_step.ema`
-    and `config.train` (accumulation_steps, accumulation_dtype)."""
+    and `config.train` (accumulation_steps, accumulation_dtype). The variables Keras overwrites
+    with their "gradient" (FP8's scales and amax histories) are no parameters: their bytes count
+    among the weights, not their values among the parameters."""
     train = run.config.train
     weights = run.model.trainable_variables
-    accumulated = ([v for objective in run.objectives.values() for v in objective.variables]
-                   if train.accumulation_steps > 1 else [])
+    parameters = [v for v in weights if not getattr(v, "overwrite_with_gradient", False)]
+    accumulated = trained_variables(run.objectives) if train.accumulation_steps > 1 else []
     averages = [v for ema in run.train_step.ema.values() for v in ema.averages]
-    return PersistentState(num_elements(weights), {
+    return PersistentState(num_elements(parameters), {
         "weights": stored_bytes(weights),
         "optimizer state": stored_bytes(optimizer_state(run.objectives)),
         "accumulators": num_elements(accumulated) * tf.as_dtype(train.accumulation_dtype).size,
@@ -140,7 +143,8 @@ def lighter_options(run: Any) -> list[LighterOption]:
         needs = {} if run.policy.compute_dtype == tf.bfloat16 else {
             "precision.policy": "mixed_bfloat16"}
         weights = current.part_bytes["weights"] - 2 * num_elements(
-            [v for stored in lighter_model.bfloat16_storable(run.model).values() for v in stored])
+            [v for stored in lighter_model.bfloat16_storable(
+                run.model, trained_variables(run.objectives)).values() for v in stored])
         options.append(_lightened(current, "precision.master_weights", _BFLOAT16, weights, needs))
     adam = {name: isinstance(o.optimizer, keras.optimizers.Adam) for name, o in run.objectives.items()}
     if any(adam.values()) and config.optimizer.name in _ADAM_NAMES:
@@ -151,7 +155,7 @@ def lighter_options(run: Any) -> list[LighterOption]:
             options.append(_lightened(current, "optimizer.state_dtype", dtype,
                                       stored_bytes(optimizer_state(others)) + 2 * moments))
     if config.train.accumulation_steps > 1 and config.train.accumulation_dtype != _BFLOAT16:
-        accumulated = [v for objective in run.objectives.values() for v in objective.variables]
+        accumulated = trained_variables(run.objectives)
         options.append(_lightened(current, "train.accumulation_dtype", _BFLOAT16,
                                   num_elements(accumulated) * 2))
     # int8 moments save nothing where no tensor is quantized (`quantizes_moments`), and weigh

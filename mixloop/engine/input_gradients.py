@@ -60,9 +60,14 @@ def input_gradients(fn: Callable[[tf.Tensor], tf.Tensor], inputs: tf.Tensor, *,
 
 def _check_scale(scale: Any) -> None:
     """Refuses a `scale` known to be zero, negative, inf or NaN: dividing by it afterwards would
-    make the gradient inf or NaN, and the run diverge for a reason float16 has no part in."""
+    make the gradient inf or NaN, and the run diverge for a reason float16 has no part in. A
+    `tf.Variable` is checked at its value when the loss is traced."""
     value = tf.get_static_value(scale)
+    if value is None and isinstance(scale, tf.Variable):
+        with tf.init_scope():  # Its value now, outside the trace.
+            value = scale.numpy()
     if value is not None and not (np.ndim(value) == 0 and np.isfinite(value) and value > 0):
+        value = value.item() if isinstance(value, np.generic) else value
         raise ValueError(f"mixloop.input_gradients: scale={value!r} is not allowed: a positive "
                          "finite number (the inner backward's loss scale; 1 for none)")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Callable, Collection, Optional
 
 import keras
 import tensorflow as tf
@@ -26,16 +26,19 @@ from mixloop.engine.layer_precision import matching_paths, named_layers
 BFLOAT16 = "bfloat16"
 
 
-def store_weights_in_bfloat16(model: keras.Model) -> int:
-    """Stores `model`'s float32 trainable variables in bfloat16; returns how many values moved.
+def store_weights_in_bfloat16(model: keras.Model, trained: Optional[Collection] = None) -> int:
+    """Stores `model`'s float32 trainable variables in bfloat16 (those an optimizer trains, when
+    `trained`, the objectives' variables, is given); returns how many values moved.
 
     A layer computing in bfloat16 reads them as it read their autocast copies; a layer computing in
     float32 (the float32 placement) reads them cast up to float32, so it still computes in float32.
-    FP8 layers and variables Keras overwrites (their scales) keep float32. Call it after the
-    float32 and FP8 placements and before the optimizer is built.
+    FP8 layers and variables Keras overwrites (their scales) keep float32, and so does a variable
+    no optimizer trains (a momentum target network, a buffer `after_update` writes): its updates
+    are not rounded stochastically, and bfloat16 would round its small moves away. Call it after the
+    float32 and FP8 placements and the objectives, and before the optimizers are built.
     """
     moved = 0
-    for layer, stored in bfloat16_storable(model).items():
+    for layer, stored in bfloat16_storable(model, trained).items():
         for variable in stored:
             keras_adapter.store_as(variable, BFLOAT16)
             moved += math.prod(variable.shape)
@@ -44,13 +47,17 @@ def store_weights_in_bfloat16(model: keras.Model) -> int:
     return moved
 
 
-def bfloat16_storable(model: keras.Model) -> dict[keras.layers.Layer, list]:
+def bfloat16_storable(model: keras.Model, trained: Optional[Collection] = None
+                      ) -> dict[keras.layers.Layer, list]:
     """Per layer, the variables `store_weights_in_bfloat16` stores in bfloat16: its own float32
-    trainable ones, outside FP8 layers, but for those Keras overwrites (their scales)."""
+    trainable ones (of `trained`, when given), outside FP8 layers, but for those Keras overwrites
+    (their scales)."""
+    trained_ids = None if trained is None else {id(v) for v in trained}
     found = {}
     for layer in named_layers(model).values():
         stored = [v for v in keras_adapter.own_trainable_variables(layer)
-                  if v.dtype == "float32" and not v.overwrite_with_gradient]
+                  if v.dtype == "float32" and not v.overwrite_with_gradient
+                  and (trained_ids is None or id(v) in trained_ids)]
         if stored and layer.quantization_mode is None:
             found[layer] = stored
     return found
@@ -81,19 +88,24 @@ def recompute(model: keras.Model, pattern: str) -> list[str]:
     for path in paths:
         # Keras's `__call__` looks `call` up on the instance (as layer_precision's hand-back uses).
         layer = layers[path]
-        object.__setattr__(layer, "call", _recomputed(layer.call, layer.non_trainable_variables))
+        object.__setattr__(layer, "call", _recomputed(layer.call, layer.non_trainable_variables,
+                                                      layer.compute_dtype))
     return paths
 
 
-def _recomputed(call: Callable, state: list) -> Callable:
-    """`call` under `tf.recompute_grad`, recomputed from the `state` it started from.
+def _recomputed(call: Callable, state: list, compute_dtype: str) -> Callable:
+    """`call` under `tf.recompute_grad`, recomputed from the `state` it started from, its variables
+    read in `compute_dtype`.
 
     The recomputation first puts back the layer's non-trainable variables as the forward found
     them, so that it draws the forward's dropout masks (Keras seed states) and moves BatchNorm's
     statistics as the forward did, not a second time: without it, a Dropout layer's gradient came
-    from another mask than its loss (12.8 off at rate 0.5 in a small test). The keyword arguments
-    (`training`, masks) are bound outside: TensorFlow's custom gradients take only positional
-    tensors in a graph, which is why Keras's own `RematScope` fails there.
+    from another mask than its loss. It reads the layer's variables in its compute dtype, as
+    Keras's `__call__` has them read around the forward's `call` (its autocast scope): the backward
+    pass recomputes outside that scope, where a 16-bit layer's float32 weights would come out as
+    float32 activations the 16-bit gradient ops refuse. The keyword arguments (`training`, masks)
+    are bound outside: TensorFlow's custom gradients take only positional tensors in a graph,
+    which is why Keras's own `RematScope` fails there.
     """
 
     @functools.wraps(call)
@@ -103,7 +115,8 @@ def _recomputed(call: Callable, state: list) -> Callable:
         def from_start(*inputs):
             for variable, value in zip(state, start):
                 variable.assign(value)
-            return call(*inputs, **kwargs)
+            with keras_adapter.reading_variables_as(compute_dtype):
+                return call(*inputs, **kwargs)
 
         return tf.recompute_grad(from_start)(*args)
 

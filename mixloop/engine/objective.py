@@ -22,8 +22,9 @@ from typing import Callable, Mapping, Optional
 import keras
 import tensorflow as tf
 
+from mixloop.engine import tracing
 from mixloop.engine.loss_scale import LossScale
-from mixloop.errors import UserError
+from mixloop.errors import UserError, described
 
 SINGLE = "model"  # The name of the one objective of a model with one loss.
 
@@ -48,10 +49,10 @@ class Objective:
         (`train.ema_decay`) advances: never per micro-batch, never on a skipped update, never for
         a retried attempt (`precision.overflow_retries`). It writes with `variable.assign(...)`
         and runs outside every layer call, so its reads are the master weights as stored (float32,
-        or bfloat16 with `precision.master_weights="bfloat16"`: cast them to a float32 target's
-        dtype; inside a 16-bit layer's `call` Keras would autocast them, `.value` included), and in
-        cross-replica
-        context: each assign writes one value to every replica. What it writes must be variables
+        or bfloat16 with `precision.master_weights="bfloat16"`: cast them to the dtype of what it
+        assigns, e.g. a target network's, which no optimizer trains and which stays float32;
+        inside a 16-bit layer's `call` Keras would autocast them), and in cross-replica context:
+        each assign writes one value to every replica. What it writes must be variables
         made beforehand that a checkpoint holds (the model's, or `Trainer.extra_state`'s), for a
         resume to be bit-identical. For a schedule, read `optimizer.iterations` (the applied
         updates, this one included).
@@ -132,6 +133,38 @@ def with_loss_scales(objectives: dict[str, Objective],
             else dataclasses.replace(objective, loss_scale=make_loss_scale())
             for name, objective in objectives.items()}
 
+
+
+def post_update_hook(name: str, objective: Objective) -> Optional[Callable[[], object]]:
+    """Objective `name`'s `after_update` as the step calls it, converted by AutoGraph while traced;
+    None without one.
+
+    Raises (when called):
+      UserError: when `after_update` raises, naming the objective, the error and the line of the
+        experiment's code it came from.
+    """
+    if objective.after_update is None:
+        return None
+    after_update = tracing.hook(objective.after_update)
+
+    def called():
+        try:
+            return after_update()
+        except UserError:
+            raise
+        except Exception as error:  # The experiment's code: whatever it raises is its own.
+            cast = ("; cast the bfloat16 master weights it reads to the dtype it assigns "
+                    "(tf.cast(w, t.dtype))" if "bfloat16" in str(error) else "")
+            raise UserError(f"the after_update of objective {name!r} failed: {described(error)}; "
+                            "it is a function of no arguments that assigns variables (see "
+                            f"mixloop.Objective){cast}") from None
+
+    return called
+
+
+def trained_variables(objectives: Mapping[str, Objective]) -> list:
+    """Every variable the objectives' optimizers train, objective by objective."""
+    return [v for objective in objectives.values() for v in objective.variables]
 
 
 def due_at(objectives: Mapping[str, Objective], step_number: tf.Tensor) -> dict[str, Optional[tf.Tensor]]:

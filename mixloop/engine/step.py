@@ -36,7 +36,8 @@ from mixloop.engine.gradients import Gradients, Partition, averaged, clipped, fi
 from mixloop.engine.loss_scale import LossScale, NoLossScale, leaves_finite
 from mixloop.engine.micro_batches import BodyCompiler, MicroBatches
 from mixloop.engine.micro_step import Batch, MicroStep, default_input_fn, when
-from mixloop.engine.objective import SINGLE, Objective, check_objectives, due_at, with_loss_scales
+from mixloop.engine.objective import (SINGLE, Objective, check_objectives, due_at, post_update_hook,
+                                      with_loss_scales)
 from mixloop.engine.policy import Policy, floating_leaves
 from mixloop.engine.retries import OverflowRetries, without_retries
 
@@ -136,9 +137,8 @@ class TrainStep:
             for name, objective in self.objectives.items()} if ema_decay else {}
         # Per objective, what runs after each applied update, in order.
         self.post_update = {name: [hook for hook in (
-            tracing.hook(objective.after_update) if objective.after_update else None,
-            self.ema[name].update if self.ema else None) if hook is not None]
-            for name, objective in self.objectives.items()}
+            post_update_hook(name, objective), self.ema[name].update if self.ema else None)
+            if hook is not None] for name, objective in self.objectives.items()}
         for objective in self.objectives.values():
             # Slots must exist before tracing: a lazily built optimizer cannot be traced inside a cond.
             objective.optimizer.build(objective.variables)

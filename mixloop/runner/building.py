@@ -13,7 +13,7 @@ from absl import logging
 
 from mixloop.config import split_auto
 from mixloop.engine import compact_optimizer, float8_layers, layer_precision, lighter_model
-from mixloop.engine.objective import Objective
+from mixloop.engine.objective import Objective, trained_variables
 from mixloop.engine.policy import Policy
 from mixloop.errors import ConfigError, UserError
 
@@ -33,21 +33,22 @@ def placed_model(build_model: Callable[[], keras.Model], policy: Policy,
     float8_line = float8_layers.describe(model, config.precision.float8_layers)
     if float8_line:
         logging.info("%s", float8_line)
-    lighten(model, policy, config)
-    return model, float8_paths
-
-
-def lighten(model: keras.Model, policy: Policy, config: ml_collections.ConfigDict) -> None:
-    """Applies `train.recompute` and `precision.master_weights` to the placed model, before the
-    optimizers see its variables (engine/lighter_model.py).
-
-    Raises:
-      ConfigError: for bfloat16 master weights under a policy that does not compute in bfloat16.
-    """
     recomputed = lighter_model.recompute(model, config.train.recompute)
     if recomputed:
         logging.info("Activations recomputed in the backward pass (train.recompute): %s",
                      layer_precision.shown_paths(recomputed, 6))
+    return model, float8_paths
+
+
+def store_trained_weights(model: keras.Model, objectives: dict[str, Objective], policy: Policy,
+                          config: ml_collections.ConfigDict) -> None:
+    """Applies `precision.master_weights` to the variables the `objectives` train, before their
+    optimizers see them (engine/lighter_model.py); a variable no optimizer trains (a target
+    network) keeps float32.
+
+    Raises:
+      ConfigError: for bfloat16 master weights under a policy that does not compute in bfloat16.
+    """
     if config.precision.master_weights != lighter_model.BFLOAT16:
         return
     if policy.compute_dtype != tf.bfloat16:
@@ -55,8 +56,9 @@ def lighten(model: keras.Model, policy: Policy, config: ml_collections.ConfigDic
             f"config.precision.master_weights='bfloat16' needs a policy computing in bfloat16, "
             f"but precision.policy is {policy.keras_name}: set "
             "--config.precision.policy=mixed_bfloat16, or master_weights='float32'")
-    moved = lighter_model.store_weights_in_bfloat16(model)
-    total = sum(math.prod(v.shape) for v in model.trainable_variables)
+    trained = trained_variables(objectives)
+    moved = lighter_model.store_weights_in_bfloat16(model, trained)
+    total = sum(math.prod(v.shape) for v in trained)
     logging.info("Weights stored in bfloat16 (precision.master_weights): %s of %s parameters, "
                  "each update rounded stochastically; layers computing in float32 read them "
                  "cast up", f"{moved:,}", f"{total:,}")

@@ -114,7 +114,7 @@ def restore_latest(manager: tf.train.CheckpointManager, directory: str) -> Optio
         manager.checkpoint.restore(path).assert_consumed()
     except (AssertionError, ValueError, tf.errors.OpError) as error:
         tf.get_logger().addFilter(_is_not_an_unrestored_value_warning)
-        detail = str(error).strip().splitlines()[0][:200]
+        detail = _shortened(str(error).strip().splitlines()[0])
         raise UserError(
             f"the checkpoint {path} does not match this run's model, objectives (optimizers, loss "
             f"scales), EMA (train.ema_decay on or off), extra_state() or data "
@@ -247,6 +247,11 @@ def _lost_indexes(directory: str) -> list[str]:
             f"ckpt-{data_only[-1]}" not in listed:
         data_only.pop()  # A killed save's.
     return [_prefix(directory, step) for step in data_only]
+
+
+def _shortened(text: str, limit: int = 200) -> str:
+    """`text`, cut at the last word boundary before `limit` characters (and '...') when longer."""
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _step(prefix: str) -> int:

@@ -16,13 +16,15 @@ warning line, and the run measures as it would without a cache.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import hashlib
 import inspect
 import json
 import os
 import pathlib
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import keras
 import tensorflow as tf
@@ -130,15 +132,28 @@ def store(key: str, mode: Any, examples_per_sec: dict[str, float]) -> None:
     path = cache_path()
     if path is None:
         return
-    entries = _read_all()
-    entries[key] = {"mode": mode, "examples_per_sec": examples_per_sec,
-                    "measured_at": datetime.datetime.now().isoformat(timespec="seconds")}
     try:
-        files.write_json(path, entries, sort_keys=True)
+        with _locked(path):  # Two runs storing at once: each reads the other's entry, not an old file.
+            entries = _read_all()
+            entries[key] = {"mode": mode, "examples_per_sec": examples_per_sec,
+                            "measured_at": datetime.datetime.now().isoformat(timespec="seconds")}
+            files.write_json(path, entries, sort_keys=True)
     except OSError as error:
         logging.warning("Could not write the compile-mode cache %s (%s); the next run of this "
                         "setup measures again (%s=off turns the cache off)", path,
                         error.strerror or error, CACHE_ENV)
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """Holds an exclusive lock on `path`.lock (made with its folder if need be) for the block."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _read_all() -> dict[str, Any]:

@@ -64,7 +64,7 @@ from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 
 from mixloop import errors, interrupts, machine
-from mixloop.config import ELEMENTWISE, ConfigError
+from mixloop.config import AUTO, ELEMENTWISE, ConfigError
 from mixloop.engine import keras_adapter
 from mixloop.engine.layer_precision import named_layers
 from mixloop.runner import compile_cache, workdir
@@ -270,6 +270,42 @@ def choose(run, stop_requested: Callable[[], bool] = lambda: False) -> bool:
         compile_cache.store(cache_key, chosen, {NAMES[mode].key: round(speed, 1)
                                                 for mode, speed in speeds.items()})
     return True
+
+
+def first_loop(run) -> dict[str, Any]:
+    """The run's first loop, one update (it traces and compiles). When `jit_compile="auto"` chose
+    XLA without compiling it (recorded, cached, or by a rule) and XLA cannot compile the step (an
+    op without an XLA kernel), the run takes graph mode instead: the data position and the step
+    count put back (the failed loop read a batch, and its step's increment, which waits for
+    nothing, may have run), the choice recorded in config.json and the cache, one warning line.
+
+    Raises:
+      tf.errors.OpError: any other failure, and XLA's where the user chose it.
+    """
+    if run.config.jit_compile != AUTO or run.jit_compile is not True:
+        return run.train_loop(1)
+    step = int(run.global_step.numpy())
+    with workdir.scratch_folder(run.workdir, ".compile-probe-") as directory:
+        position = (tf.train.Checkpoint(iterator=run.train_iterator).write(
+            os.path.join(directory, "position")) if run.iterator_in_checkpoint else None)
+        try:
+            return run.train_loop(1)
+        except tf.errors.OpError as error:
+            summary = errors.op_error_summary(error)
+            if not summary.startswith(errors.XLA_CANNOT_COMPILE):
+                raise
+            run.global_step.assign(step)
+            if position is None:
+                run.restart_train_iterator()  # Made again, fast-forwarded by the step.
+            else:
+                tf.train.Checkpoint(iterator=run.train_iterator).read(position).assert_consumed()
+    run.set_jit_compile(False)
+    logging.warning("Train step %s: jit_compile=auto had chosen %s, which cannot run this step (%s); "
+                    "recorded", describe(False), describe(True), summary)
+    _record(run, False, _measured_for(run.config))
+    if run.is_chief:
+        compile_cache.store(compile_cache.key_of(compile_cache.setup(run)), False, {})
+    return run.train_loop(1)
 
 
 def _record(run, mode: Mode, measured_for: dict[str, Any]) -> None:

@@ -205,7 +205,7 @@ def _run_loops(run: Loop, actions: list, stop: _StopRequest, num_batches: Option
         loop_length = schedule.loop_length(step) if compiled else 1
         started = time.perf_counter()
         try:
-            totals = run.train_loop(loop_length)
+            totals = run.train_loop(loop_length) if compiled else compile_mode.first_loop(run)
         except tf.errors.OutOfRangeError:  # Only after a recovery, whose data moved on further...
             if config.train.repeat_dataset:  # ...or when there is nothing to repeat.
                 raise UserError(errors.empty_train_data(config.train.batch_size)) from None
@@ -313,9 +313,11 @@ def _loop_failure(run: Loop, error: tf.errors.OpError, start_step: int) -> str:
     if train_data.failed_reading(error):
         return (f"the train data pipeline failed near step {near}: {errors.op_error_summary(error)}; "
                 f"{_kept_checkpoint(run)}")
+    summary = errors.op_error_summary(error)
     hint = (" (the step is compiled with XLA; --config.jit_compile=False runs it without)"
-            if run.jit_compile and isinstance(error, tf.errors.UnimplementedError) else "")
-    return f"the train step failed near step {near}: {errors.op_error_summary(error)}{hint}"
+            if run.jit_compile and (isinstance(error, tf.errors.UnimplementedError)
+                                    or summary.startswith(errors.XLA_CANNOT_COMPILE)) else "")
+    return f"the train step failed near step {near}: {summary}{hint}"
 
 
 def _report_train(run: Loop, writer: reporting.MetricWriter, step: int,

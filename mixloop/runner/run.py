@@ -21,13 +21,14 @@ import tensorflow as tf
 from absl import logging
 
 from mixloop import errors
+from mixloop.config import STORAGE_DTYPES
 from mixloop.engine.loss import Loss, as_losses
-from mixloop.engine.objective import with_loss_scales
+from mixloop.engine.objective import check_objectives, with_loss_scales
 from mixloop.engine.step import TrainStep
 from mixloop.engine import tracing
 from mixloop.errors import UserError
 from mixloop.runner import (auto_precision, building, checkpointing, compile_mode, distribution,
-                            evaluation, exporting, precision_setup, reporting, train_data)
+                            evaluation, exporting, precision_setup, reporting, train_data, workdir)
 from mixloop.runner.inner_loop import InnerLoop, Totals, numpy_totals
 from mixloop.runner.state import RunState
 from mixloop.runner.workdir import check_layout
@@ -78,9 +79,11 @@ class Run:
                      else f"{compile_mode.describe(self.jit_compile)} ({compile_reason})")
         with self.strategy.scope():
             self.model, self.float8_paths = building.placed_model(self.build_model, self.policy, config)
+            objectives = self.trainer.build_objectives()
+            check_objectives(objectives)  # One line for what the next lines could not read.
             self.objectives = with_loss_scales(
-                self.trainer.build_objectives(),
-                lambda: precision_setup.make_loss_scale(config.precision, self.policy))
+                objectives, lambda: precision_setup.make_loss_scale(config.precision, self.policy))
+            building.store_trained_weights(self.model, self.objectives, self.policy, config)
             self.state = RunState({name: len(o.variables) for name, o in self.objectives.items()})
             self.train_step = TrainStep(
                 model=self.model,
@@ -175,7 +178,16 @@ class Run:
         """Restores the workdir's latest checkpoint (the chief's); returns its path, or None for a
         fresh run. A constant learning rate changed for the resumed run takes effect."""
         configured = checkpointing.configured_learning_rates(self.objectives)
-        path = checkpointing.restore_latest(self.checkpoints, self.resume_directory())
+        try:
+            path = checkpointing.restore_latest(self.checkpoints, self.resume_directory())
+        except UserError:
+            changed = workdir.recorded_changes(self.workdir, self.config, STORAGE_DTYPES)
+            if not changed:
+                raise
+            raise UserError(
+                f"the checkpoint in {self.resume_directory()} was written with other storage "
+                f"dtypes ({'; '.join(changed)}), which a checkpoint keeps: resume with the settings "
+                "that wrote it, or use a new --workdir") from None
         checkpointing.put_back_learning_rates(configured)
         return path
 
@@ -260,6 +272,11 @@ class Run:
         if self._train_iterator is None:
             self._train_iterator = self.make_train_iterator(int(self.global_step.numpy()))
         return self._train_iterator
+
+    def restart_train_iterator(self) -> None:
+        """Forgets the run's iterator (one a checkpoint cannot hold): the next use makes it again,
+        `global_step` batches in, as a resume does."""
+        self._train_iterator = None
 
     def make_train_iterator(self, start_step: int) -> Iterator[Any]:
         """An iterator over the train data, distributed, `start_step` global batches in; it repeats

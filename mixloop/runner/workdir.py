@@ -289,6 +289,22 @@ def write_config(directory: str, config: ml_collections.ConfigDict, step: int) -
     _write_json(path, new, keep_as=kept)
 
 
+def recorded_changes(directory: str, config: ml_collections.ConfigDict, keys: Any) -> list[str]:
+    """"key: 'old' -> 'new'" for each of the dotted `keys` whose value in `config` differs from the
+    one config.json records (the run that wrote this workdir's checkpoints); [] without config.json.
+
+    Raises:
+      UserError: for a config.json that cannot be read (`_read_config`).
+    """
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        return []
+    recorded = _flatten(_read_config(path))
+    current = _flatten(json.loads(config.to_json_best_effort()))
+    return [f"{key}: {recorded[key]!r} -> {current.get(key)!r}" for key in keys
+            if key in recorded and recorded[key] != current.get(key)]
+
+
 def read_resolved(directory: str) -> dict[str, Any]:
     """The `resolved` record of `config.json` ({} when there is none).
 

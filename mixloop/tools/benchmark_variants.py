@@ -260,12 +260,16 @@ def _value(config: ml_collections.ConfigDict, key: str) -> Any:
 
 
 def changed_config(config: ml_collections.ConfigDict, change: dict[str, Any]) -> ml_collections.ConfigDict:
-    """A copy of `config` with the "section.field" keys of `change` set."""
+    """A copy of `config` with the "section.field" keys of `change` set; bfloat16 master weights,
+    which need a policy computing in bfloat16, go back to float32 under another policy."""
     changed = config.copy_and_resolve_references()
     with changed.ignore_type():  # jit_compile: True, False or "auto".
         for key, value in change.items():
             holder, field = _holder(changed, key)
             holder[field] = value
+    policy, _ = precision_setup.make_policy(changed.precision.policy)
+    if changed.precision.master_weights == "bfloat16" and policy.compute_dtype != tf.bfloat16:
+        changed.precision.master_weights = "float32"
     return changed
 
 

@@ -46,6 +46,18 @@ def test_persistent_bytes_per_parameter_by_part(tmp_path, overrides, per_paramet
     assert state.total_bytes == TINY_PARAMETERS * sum(per_parameter)
 
 
+def test_fp8_scales_and_amax_histories_are_no_parameters(tmp_path):
+    """Keras overwrites FP8's scales and amax histories with their "gradient": their bytes are the
+    weights', not their values parameters (they would dilute every bytes-per-parameter figure)."""
+    run = make_trainer(tmp_path, **{"precision.policy": "mixed_bfloat16",
+                                    "precision.float8_layers": "auto"}).run
+    overwritten = [v for v in run.model.trainable_variables if v.overwrite_with_gradient]
+    assert overwritten  # Keras's float8 Dense layers made them.
+    state = memory.persistent_state(run)
+    assert state.num_parameters == TINY_PARAMETERS
+    assert state.part_bytes["weights"] == 4 * TINY_PARAMETERS + memory.stored_bytes(overwritten)
+
+
 def test_the_start_line_shows_each_part_per_parameter_and_the_total():
     state = memory.PersistentState(1_234_567, {"weights": 4 * 1_234_567,
                                                "optimizer state": 8 * 1_234_567,

@@ -551,3 +551,39 @@ def test_weight_clipping_keeps_the_critic_in_its_box_and_leaves_the_generator(tm
     critic = [v.numpy() for v in trainer.model.discriminator.trainable_weights]
     assert max(np.abs(w).max() for w in critic) == np.float32(0.01)  # Clipped, in float32.
     assert max(np.abs(v.numpy()).max() for v in trainer.model.generator.trainable_weights) > 0.1
+
+
+@pytest.mark.parametrize("decay", [0.99, 0.999])
+def test_the_target_network_stays_float32_under_bfloat16_master_weights(tmp_path, decay):
+    """The recipe with `precision.master_weights="bfloat16"`: the target, which no optimizer
+    trains, keeps float32, and its after_update reads the online weights cast up, so after 60
+    updates it is the float32 average of the bfloat16 online weights, every value moved."""
+    language, code, line = recipes()["target-network"]
+    assert "decay = 0.99\n" in code
+    namespace = {"keras": keras, "tf": tf, "mixloop": mixloop, "MyTrainer": MyTwoTowerTrainer}
+    exec(compile("\n" * (line - 1) + code.replace("decay = 0.99\n", f"decay = {decay}\n"), PAGE,
+                 "exec"), namespace)
+
+    class Recorded(namespace["MomentumTargetTrainer"]):
+        def actions(self):
+            self.online_after = []
+            return [mixloop.Action(lambda step: self.online_after.append(
+                [v.numpy().astype(np.float32) for v in self.model.get_layer("online").weights]),
+                every_steps=1)]
+
+    trainer = make(Recorded, tmp_path, **{
+        "precision.policy": "mixed_bfloat16", "precision.master_weights": "bfloat16",
+        "optimizer.name": "adam", "train.num_steps": 60, "eval.every_steps": 60,
+        "checkpoint.every_steps": 60, "jit_compile": False})
+    target = trainer.model.get_layer("target")
+    assert all(v.dtype == "float32" for v in target.weights)
+    assert all(v.dtype == "bfloat16" for v in trainer.model.get_layer("online").weights)
+    start = [v.numpy() for v in target.weights]
+    trainer.train()
+    expected = [value.copy() for value in start]
+    for online in trainer.online_after:  # Every update applies in bfloat16 (no loss scale).
+        expected = [np.float32(decay) * t + np.float32(1.0 - decay) * o for t, o in zip(expected, online)]
+    for initial, average, actual in zip(start, expected, [v.numpy() for v in target.weights]):
+        movement = np.linalg.norm(average - initial)
+        assert np.linalg.norm(actual - average) <= 1e-5 * movement  # Float32 rounding, not bfloat16's.
+        assert np.mean(actual == initial) < 0.05  # Every value moved.

@@ -47,6 +47,27 @@ def test_byol_quick_run_reports_its_representations_accuracies_when_it_finishes(
     assert 0.0 <= metrics["loss"] <= 4.0 and metrics["spread"] > 0.0, metrics
 
 
+def test_byol_with_bfloat16_master_weights_keeps_its_target_in_float32_and_trains(experiments,
+                                                                                   tmp_path):
+    """The documented lighter flags on BYOL (the campaign's TypeError at `follow_online`): the
+    online network is stored in bfloat16, the target, which no optimizer trains, in float32, and
+    `follow_online` reads the online weights cast up."""
+    byol = experiments("byol_digits")
+    config = byol.get_config("quick")
+    config.precision.policy, config.precision.master_weights = "mixed_bfloat16", "bfloat16"
+    config.jit_compile = False
+    config.train.num_steps = 4
+    trainer = byol.BYOLTrainer(config, str(tmp_path))
+    online, target = (trainer.model.get_layer(name) for name in ("online", "target"))
+    assert {v.dtype for v in online.trainable_weights} == {"bfloat16"}
+    assert {v.dtype for v in target.weights if v.dtype != "int64"} <= {"float32"}
+    before = [v.numpy() for v in target.weights]
+    trainer.train()
+    assert int(trainer.run.global_step.numpy()) == 4
+    assert all(np.any(b != v.numpy()) for b, v in zip(before, target.weights) if v.trainable is False
+               and v.dtype == "float32" and np.size(b) > 1)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_byol_target_is_the_moving_average_of_the_online_network(experiments, tmp_path, policy):
     """After each update the target's weights are decay * their old value + (1 - decay) * the

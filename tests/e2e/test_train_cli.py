@@ -448,6 +448,8 @@ HELPER_ADVICE = "; check the config values it reads (set on the command line: mo
      "the one output to differentiate (lambda x: model(x)['score'])"),
     ("zero_scale", "ValueError: mixloop.input_gradients: scale=0 is not allowed: a positive finite "
      "number (the inner backward's loss scale; 1 for none)"),
+    ("variable_zero_scale", "ValueError: mixloop.input_gradients: scale=0.0 is not allowed: a "
+     "positive finite number (the inner backward's loss scale; 1 for none)"),
 ])
 def test_a_public_helper_misused_in_a_traced_loss_is_one_line(tmp_path, misuse, message):
     result = run_cli(f"--config={MISUSE_CONFIG}", f"--config.model.misuse={misuse}",
@@ -456,6 +458,37 @@ def test_a_public_helper_misused_in_a_traced_loss_is_one_line(tmp_path, misuse, 
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert error_lines(result) == [f"error: compute_loss() failed: {message} {misuse_line(misuse)}"
                                    + HELPER_ADVICE.format(misuse)], result.stderr
+    assert not (tmp_path / ".lock").exists() and not checkpoint_steps(tmp_path)
+
+
+def test_a_hook_raising_any_error_while_traced_is_one_line_naming_it(tmp_path):
+    """Not only TypeError and ValueError: an AttributeError (`.numpy()` on a traced tensor) too."""
+    result = run_cli(f"--config={MISUSE_CONFIG}", "--config.model.misuse=numpy", f"--workdir={tmp_path}")
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    [line] = error_lines(result)
+    assert line.startswith("error: compute_loss() failed: AttributeError: ") and "numpy" in line
+    assert misuse_line("numpy") in line, result.stderr
+    assert not (tmp_path / ".lock").exists() and not checkpoint_steps(tmp_path)
+
+
+@pytest.mark.parametrize("misuse, message", [
+    ("raising_after_update", "RuntimeError: the target is not ready (at {file}:{line})"),
+    ("after_update_argument", "TypeError: "),
+])
+def test_an_after_update_that_fails_is_one_line_naming_the_objective(tmp_path, misuse, message):
+    result = run_cli(f"--config={MISUSE_CONFIG}", f"--config.model.misuse={misuse}",
+                     "--config.trainer=misuse_experiment.AfterUpdateMisuseTrainer",
+                     f"--workdir={tmp_path}")
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    [line] = error_lines(result)
+    raise_line = open(MISUSE_CONFIG).read().splitlines().index(
+        '            raise RuntimeError("the target is not ready")') + 1
+    assert line.startswith("error: the after_update of objective 'model' failed: "
+                           + message.format(file=MISUSE_CONFIG, line=raise_line)), result.stderr
+    assert line.endswith("; it is a function of no arguments that assigns variables (see "
+                         "mixloop.Objective)")
     assert not (tmp_path / ".lock").exists() and not checkpoint_steps(tmp_path)
 
 

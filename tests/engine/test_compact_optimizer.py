@@ -181,7 +181,7 @@ def test_int8_keeps_float32_moments_for_embedding_tables():
     """Keras's tables (a plain Embedding, keras-hub's tied ReversibleEmbedding and its
     PositionEmbedding) keep float32 moments, as Hugging Face's Trainer keeps them in 32 bits under
     bitsandbytes; a Dense kernel of the same size is quantized."""
-    keras_hub = pytest.importorskip("keras_hub")
+    pytest.importorskip("keras_hub")
     from keras_hub.layers import PositionEmbedding, ReversibleEmbedding
 
     tokens = keras.ops.zeros([2, 64], "int32")

@@ -34,7 +34,8 @@ def test_an_objective_training_variables_outside_the_model_is_refused():
 def test_bfloat16_weights_need_a_bfloat16_policy():
     inputs = keras.Input((2,))
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
-    config = ml_collections.ConfigDict(dict(train=dict(recompute=""),
-                                            precision=dict(master_weights="bfloat16")))
+    config = ml_collections.ConfigDict(dict(precision=dict(master_weights="bfloat16")))
+    objectives = {"model": mixloop.Objective(model, keras.optimizers.SGD(0.1))}
     with pytest.raises(ConfigError, match="master_weights='bfloat16' needs a policy computing in bfloat16"):
-        building.lighten(model, mixloop.Policy.from_string("mixed_float16"), config)
+        building.store_trained_weights(model, objectives, mixloop.Policy.from_string("mixed_float16"),
+                                       config)

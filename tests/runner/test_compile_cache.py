@@ -3,6 +3,7 @@ cannot be read or written."""
 
 import json
 import logging
+import multiprocessing
 import os
 
 import pytest
@@ -53,7 +54,9 @@ def test_a_stored_choice_is_read_back(tmp_path, monkeypatch):
     entry = compile_cache.lookup("k")
     assert entry["mode"] == "elementwise" and entry["examples_per_sec"]["elementwise"] == 3.0
     assert compile_cache.lookup("j")["mode"] is False
-    assert os.listdir(tmp_path / "cache") == [compile_cache.FILE_NAME]  # No temporary file left.
+    # No temporary file left; the lock file that orders two runs' stores stays, empty.
+    assert sorted(os.listdir(tmp_path / "cache")) == [compile_cache.FILE_NAME,
+                                                      compile_cache.FILE_NAME + ".lock"]
 
 
 def test_off_neither_reads_nor_writes(tmp_path, monkeypatch):
@@ -91,3 +94,22 @@ def test_an_unwritable_cache_is_one_warning(tmp_path, monkeypatch, caplog):
         assert compile_cache.lookup("k") is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("Could not write the compile-mode cache ")
+
+
+def _store_many(start: int, count: int) -> None:
+    for key in range(start, start + count):
+        compile_cache.store(f"key-{key}", False, {"graph": 1.0})
+
+
+def test_two_processes_storing_at_once_lose_no_entry(compile_mode_cache):
+    """Each store reads the file, adds its entry and writes it whole: without a lock, one process's
+    write replaced entries the other had just added."""
+    context = multiprocessing.get_context("fork")  # The store is plain Python: no TensorFlow runs.
+    writers = [context.Process(target=_store_many, args=(start, 40)) for start in (0, 40)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(120)
+        assert writer.exitcode == 0
+    entries = json.loads(open(compile_cache.cache_path()).read())
+    assert sorted(entries) == sorted(f"key-{key}" for key in range(80))

@@ -536,3 +536,35 @@ def test_a_stop_during_the_probe_ends_it_at_its_next_loop_and_the_run_saves(tmp_
     messages = [r.getMessage() for r in caplog.records]
     assert "jit_compile=auto: the probe gave up for the stop request, state restored" in messages
     assert any(m.startswith("Stopped by SIGTERM at step 0; checkpoint saved") for m in messages)
+
+
+class PythonInTheLoss(tiny_experiment.TinyTrainer):
+    """A loss calling Python (`tf.py_function`): graph mode runs it, XLA has no kernel for it."""
+
+    def compute_loss(self, outputs, batch):
+        python = tf.reshape(tf.py_function(lambda: 0.0, [], tf.float32), [])
+        return super().compute_loss(outputs, batch) + python
+
+
+def test_an_unprobed_xla_choice_xla_cannot_compile_falls_back_to_graph_mode(tmp_path, caplog):
+    """A short run takes XLA unmeasured: the first loop finds XLA cannot compile the step, and the
+    run goes on in graph mode from the same batch, the choice recorded (a resume keeps it)."""
+    config = tiny_experiment.get_config()
+    config.precision.policy = "float32"
+    config.train.num_steps = 20
+    trainer = PythonInTheLoss(config, str(tmp_path))
+    reference_config = tiny_experiment.get_config()
+    reference_config.precision.policy, reference_config.train.num_steps = "float32", 20
+    reference_config.jit_compile = False
+    reference = PythonInTheLoss(reference_config, str(tmp_path / "graph"))
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    reference.train()
+    assert trainer.run.jit_compile is False and resolved(tmp_path) == {"jit_compile": False}
+    assert int(trainer.run.global_step.numpy()) == 20
+    assert [r.getMessage() for r in caplog.records if "cannot run this step" in r.getMessage()] == [
+        "Train step without XLA: jit_compile=auto had chosen with XLA, which cannot run this step "
+        "(XLA cannot compile EagerPyFunc (No registered 'EagerPyFunc' OpKernel for XLA_CPU_JIT "
+        "devices)); recorded"]
+    for a, b in zip(trainer.model.get_weights(), reference.model.get_weights()):  # No batch lost.
+        np.testing.assert_array_equal(a, b)

@@ -163,3 +163,22 @@ def test_a_lighter_option_the_run_cannot_honour_is_one_line_and_loses_nothing(
     if "recompute" in message:  # Real paths of the tiny model, not the regex echoed back.
         assert "logits" in errors[0] and "dense" in errors[0]
     assert snapshot(trained_workdir) == before
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_recompute_of_a_layer_with_weights_trains_in_16_bits_as_without_it(tmp_path, policy):
+    """tiny_experiment's Dense layers recomputed over float32 master weights (the campaign's
+    `--config.train.recompute=dense` ended in a TypeError under mixed_float16): the run trains, its
+    dropout redrawn as the forward drew it, and ends bit-identical to the run that keeps them."""
+    import tiny_experiment
+
+    weights = {}
+    for recompute in ("", "dense"):
+        config = tiny_experiment.get_config()
+        config.precision.policy, config.precision.float32_layers = policy, ""
+        config.train.num_steps, config.train.recompute, config.jit_compile = 10, recompute, False
+        trainer = tiny_experiment.TinyTrainer(config, str(tmp_path / (recompute or "kept")))
+        trainer.train()
+        weights[recompute] = trainer.model.get_weights()
+    for kept, recomputed in zip(weights[""], weights["dense"]):
+        np.testing.assert_array_equal(kept, recomputed)

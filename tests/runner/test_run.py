@@ -71,3 +71,21 @@ def test_an_empty_train_set_is_one_line(tmp_path):
     trainer = tiny_experiment.TinyTrainer(config, str(tmp_path), datasets=(empty, None))
     with pytest.raises(UserError, match="the train dataset is empty"):
         trainer.run.num_train_batches()
+
+
+def test_a_resume_with_another_storage_dtype_names_the_changed_key(tmp_path):
+    """int8 moments are other variables than float32 ones: the checkpoint cannot be read into them,
+    and the line says which setting changed rather than TensorFlow's cut text."""
+    config = tiny_experiment.get_config()
+    config.jit_compile, config.optimizer.name = False, "adam"
+    config.model.width = 512  # A kernel of 4,096 values or more: int8 quantizes its moments.
+    config.train.num_steps = 10
+    tiny_experiment.TinyTrainer(config, str(tmp_path)).train()
+    config.optimizer.state_dtype = "int8"
+    config.train.num_steps = 20
+    with pytest.raises(UserError) as refused:
+        tiny_experiment.TinyTrainer(config, str(tmp_path)).run.restore()
+    assert str(refused.value) == (
+        f"the checkpoint in {tmp_path}/checkpoints was written with other storage dtypes "
+        "(optimizer.state_dtype: 'float32' -> 'int8'), which a checkpoint keeps: resume with the "
+        "settings that wrote it, or use a new --workdir")

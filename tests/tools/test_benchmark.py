@@ -174,6 +174,21 @@ def test_memory_compares_the_variants_that_change_the_policy_alone(policy, loss_
     assert benchmark_results.memory_ratios(without_lighter, config)["lighter/float32"] is None
 
 
+def test_a_lighter_config_benchmarks_its_other_policies_with_float32_weights(tmp_path):
+    """bfloat16 master weights need a policy computing in bfloat16: the float32 and float16 rows
+    of a lighter config keep float32 weights, and each of them builds."""
+    config = tiny_experiment.get_config()
+    config.precision.policy, config.precision.master_weights = "mixed_bfloat16", "bfloat16"
+    config.train.num_steps = 5
+    configs = benchmark_variants.mixloop_configs(config)
+    for name, changed in configs.items():
+        policy = changed.precision.policy
+        assert changed.precision.master_weights == ("bfloat16" if policy == "mixed_bfloat16"
+                                                    else "float32"), name
+    float32 = configs["mixloop policy=float32 jit_compile=True"]
+    assert tiny_experiment.TinyTrainer(float32, str(tmp_path)).run.model.trainable_variables[0].dtype == "float32"
+
+
 def test_the_lighter_variant_needs_the_configs_adam():
     config = tiny_experiment.get_config()
     trainer_class = tiny_experiment.TinyTrainer
