@@ -238,20 +238,23 @@ def run(command: Callable[[], None]) -> None:
     """Runs `command` as a program: flags parsed, a `UserError` printed as one line with its exit
     code, and so is any exception raised in the experiment's Trainer methods (`_hook_failure`)."""
 
-    def main(argv: list[str]) -> None:
-        reads: set[tuple[int, str]] = set()
-        try:
-            with _config_reads() as reads:
-                command()
-        except UserError as error:
-            _exit_with(error)
-        except Exception as error:  # The experiment's own hook failing is one line; the rest not.
-            user_error = _hook_failure(error, reads)
-            if user_error is None:
-                raise
-            _exit_with(user_error)
-        finally:
-            interrupts.disarm()
-
     flags.mark_flag_as_required("config")
-    app.run(main, flags_parser=_parse_flags)
+    app.run(lambda argv: guarded(command), flags_parser=_parse_flags)
+
+
+def guarded(command: Callable[[], None]) -> None:
+    """Runs `command` with a `UserError`, or an exception raised in the experiment's Trainer
+    methods, printed as one `error:` line and the process ended with its exit code."""
+    reads: set[tuple[int, str]] = set()
+    try:
+        with _config_reads() as reads:
+            command()
+    except UserError as error:
+        _exit_with(error)
+    except Exception as error:  # The experiment's own hook failing is one line; the rest not.
+        user_error = _hook_failure(error, reads)
+        if user_error is None:
+            raise
+        _exit_with(user_error)
+    finally:
+        interrupts.disarm()

@@ -101,6 +101,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Regex of layer paths whose activations are recomputed in the backward pass instead of kept
     # (less memory, one more forward of those layers); "" recomputes none.
     config.train.recompute = ""
+    # Plan the run to peak under this much memory: bytes with a unit ("6GiB", "1500MiB", "8GB") or
+    # a fraction of the machine's available RAM ("0.6"); "" plans nothing. The plan (micro-batches,
+    # compile mode) is measured by probes of the run itself before its first update.
+    config.train.memory_budget = ""
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.name = "adamw"  # sgd, momentum, adam or adamw.
@@ -120,6 +124,10 @@ def base_config() -> ml_collections.ConfigDict:
     config.eval = ml_collections.ConfigDict()
     config.eval.every_steps = 500  # Evaluate every this many updates and at the end; 0: only at the end.
     config.eval.num_batches = 0  # Eval batches per evaluation; 0 reads the whole eval set.
+    # The model's forward on an eval batch in this many micro-batches (its metrics see the whole
+    # batch); 0: train.accumulation_steps; 1: the whole batch at once (a model whose forward couples
+    # the examples of a batch).
+    config.eval.micro_batches = 0
 
     config.checkpoint = ml_collections.ConfigDict()
     config.checkpoint.every_steps = 500  # Save every this many updates, and at the end.
@@ -202,6 +210,24 @@ def parse_loss_scale(value: Any) -> Any:
     except (TypeError, ValueError):
         return None
     return number if 0 < number < float("inf") else None
+
+
+_BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_memory_budget(value: str) -> Any:
+    """`train.memory_budget` read: ("bytes", N) for bytes with a unit ("6GiB", "1500 MiB", "8GB"),
+    ("fraction", F) for a fraction F in (0, 1], or None when it is neither."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    if not match:
+        return None
+    number, unit = float(match.group(1)), match.group(2).upper()
+    if not unit:
+        return ("fraction", number) if 0 < number <= 1 else None
+    if unit not in _BYTE_UNITS or number <= 0:
+        return None
+    return ("bytes", int(number * _BYTE_UNITS[unit]))
 
 
 def split_auto(float32_layers: str) -> tuple[bool, str]:
@@ -294,9 +320,13 @@ def _check_values(config: ml_collections.ConfigDict) -> None:
              "are for adam and adamw")
     _require(isinstance(t.recompute, str) and compiles(t.recompute), "train.recompute", t.recompute,
              "'' (none) or a Python regular expression over layer paths")
+    _require(isinstance(t.memory_budget, str) and (not t.memory_budget or parse_memory_budget(t.memory_budget)),
+             "train.memory_budget", t.memory_budget,
+             "'' (none), bytes with a unit such as '6GiB', '1500MiB' or '8GB', or a fraction in "
+             "(0, 1] of the available RAM such as '0.6'")
     _require(_is_number(o.weight_decay) and o.weight_decay >= 0, "optimizer.weight_decay",
              o.weight_decay, "a non-negative number")
-    for key in ("eval.every_steps", "eval.num_batches", "checkpoint.every_steps"):
+    for key in ("eval.every_steps", "eval.num_batches", "eval.micro_batches", "checkpoint.every_steps"):
         value = config[key.split(".")[0]][key.split(".")[1]]
         _require(_is_int(value) and value >= 0, key, value, "a non-negative integer")
     _require(_is_int(config.checkpoint.max_to_keep) and config.checkpoint.max_to_keep >= 1,

@@ -48,14 +48,48 @@ def micro_batch_at(micro_batches: Batch, index: Any) -> Batch:
 
 
 def micro_batch_loop(num_micro_batches: int, body: Callable[[tf.Tensor, Any], Any], initial: Any,
-                     start: int = 0) -> Any:
+                     start: Any = 0) -> Any:
     """`initial` carried through `body(i, carried)` for micro-batches i = start .. k-1, one at a
     time: a while loop runs up to 10 iterations at once by default, which would keep that many
-    micro-batches' activations alive (docs/memory.md)."""
+    micro-batches' activations alive (docs/memory.md). `start` may be a tensor, to make the loop
+    wait for what computed it."""
     _, carried = tf.while_loop(lambda i, _: i < num_micro_batches,
                                lambda i, carried: (i + 1, body(i, carried)),
-                               (tf.constant(start), initial), parallel_iterations=1)
+                               (tf.convert_to_tensor(start), initial), parallel_iterations=1)
     return carried
+
+
+def in_micro_batches(fn: Callable[[Batch], Any], batch: Batch, num_micro_batches: int) -> Any:
+    """`fn(batch)` computed one micro-batch at a time (so one micro-batch's activations are alive
+    at once), its outputs concatenated along the batch: what `fn(batch)` returns for a `fn` that
+    treats examples independently (a model's forward at inference). `fn(batch)` itself when the
+    batch's static size does not split into `num_micro_batches`, or an output has no batch
+    dimension."""
+    size = _static_batch_size(batch)
+    if num_micro_batches == 1 or size is None or size % num_micro_batches:
+        return fn(batch)
+    parts = split_micro_batches(batch, num_micro_batches)
+    first = fn(micro_batch_at(parts, 0))
+    if _static_batch_size(first) != size // num_micro_batches:
+        return fn(batch)
+    arrays = tf.nest.map_structure(
+        lambda t: tf.TensorArray(t.dtype, size=num_micro_batches, element_shape=t.shape).write(0, t),
+        first)
+    with tf.control_dependencies(tf.nest.flatten(first)):  # The rest after the first, not beside it.
+        start = tf.identity(1)
+    arrays = micro_batch_loop(
+        num_micro_batches,
+        lambda i, written: tf.nest.map_structure(lambda array, t: array.write(i, t), written,
+                                                 fn(micro_batch_at(parts, i))),
+        arrays, start=start)
+    return tf.nest.map_structure(
+        lambda array, t: tf.reshape(array.stack(), [size, *t.shape[1:]]), arrays, first)
+
+
+def _static_batch_size(structure: Any) -> Any:
+    """The batch (first) dimension every tensor of `structure` shares statically, else None."""
+    sizes = {t.shape[0] if t.shape.rank else None for t in tf.nest.flatten(structure)}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def batch_divided(spec: tf.TensorSpec, num_slices: int) -> tf.TensorSpec:

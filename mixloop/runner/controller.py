@@ -18,11 +18,11 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mixloop import errors, interrupts
+from mixloop import errors, interrupts, machine
 from mixloop.errors import UserError
 from mixloop.doctor import memory
-from mixloop.runner import (auto_precision, cadence, checkpointing, compile_mode, guard, reporting,
-                            train_data, workdir)
+from mixloop.runner import (auto_precision, cadence, checkpointing, compile_mode, guard,
+                            memory_plan, reporting, train_data, workdir)
 from mixloop.runner.actions import Action, checked_actions, returned_metrics
 from mixloop.runner.recovery import Recovery
 
@@ -44,6 +44,7 @@ class Loop(Protocol):
     state: Any
     train_metric_names: dict[str, list[str]]
     jit_compile: Any
+    memory_plan: Any  # What train.memory_budget planned (recorded in config.json), or None.
 
     def train_loop(self, num_steps: int) -> dict[str, Any]:
         """Up to `num_steps` updates in one compiled call; per-objective totals as NumPy."""
@@ -113,6 +114,7 @@ class _StopRequest:
 
 def _save(run: Loop, step: int) -> None:
     """Checkpoints `step` unless already saved; a full disk is a one-line error (`UserError`)."""
+    machine.release_free_memory()  # The save's buffers in the loop's freed pages, not new ones.
     checkpointing.save(run.checkpoints, step)
 
 
@@ -141,6 +143,7 @@ def _train_locked(run: Loop, actions: list, num_batches: Optional[int], stop: _S
     if run.is_chief:
         workdir.check_writable(run.workdir)
         workdir.write_config(run.workdir, run.config, int(run.global_step.numpy()))
+        memory_plan.record(run.workdir, run.memory_plan)  # A resume keeps it.
     # A stop during a probe ends it at its next boundary; the run then saves and exits (and
     # a stop during the placement leaves the compile mode undecided: no loop runs).
     auto_precision.start(run, stop.requested)  # From the restored weights, before any trace.
@@ -170,7 +173,9 @@ def _train_locked(run: Loop, actions: list, num_batches: Optional[int], stop: _S
                         run.config.train.num_steps)
         return metrics
     if run.is_chief:
+        machine.release_free_memory()
         run.export()
+    logging.info("%s", memory_plan.describe_peak(memory.peak_bytes(), run.memory_plan))
     logging.info("%s", reporting.describe_finish(step, run.config.train.num_steps, metrics,
                                                  has_eval_data=run.eval_data is not None))
     return metrics
@@ -218,6 +223,7 @@ def _run_loops(run: Loop, actions: list, stop: _StopRequest, num_batches: Option
             interval.add(totals, time.perf_counter() - started)
         else:
             _log_compiled(run, time.perf_counter() - started)
+            machine.release_free_memory()  # What tracing and compiling freed.
             interval.add_untimed(totals, num_steps=1)
             compiled = True
         step = int(run.global_step.numpy())

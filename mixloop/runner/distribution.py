@@ -111,3 +111,8 @@ def distribute(
 def describe(strategy: tf.distribute.Strategy) -> str:
     """A line for the log: strategy type and replica count."""
     return f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)"
+
+
+def has_accelerator() -> bool:
+    """Whether this process sees a GPU or TPU (whose memory a run's peak is measured in)."""
+    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))

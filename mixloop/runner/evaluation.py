@@ -12,6 +12,7 @@ import tensorflow as tf
 from mixloop import errors
 from mixloop.engine import tracing
 from mixloop.engine.ema import ExponentialMovingAverage
+from mixloop.engine.micro_batches import in_micro_batches
 from mixloop.engine.micro_step import forward
 from mixloop.engine.policy import Policy
 from mixloop.errors import UserError
@@ -19,13 +20,15 @@ from mixloop.errors import UserError
 
 class Evaluation:
     """The eval step of `model` in `policy` on batches of `data` (`num_batches` of them; 0 for
-    all), its inputs from `input_fn` and its metrics from `metrics_fn(outputs, batch)`."""
+    all), its inputs from `input_fn` and its metrics from `metrics_fn(outputs, batch)`, the
+    model's forward in `micro_batches` micro-batches of each batch (the metrics on all of it)."""
 
     def __init__(self, model: keras.Model, policy: Policy, input_fn: Callable[[Any], Any],
-                 metrics_fn: Callable[[Any, Any], Mapping[str, Any]], num_batches: int):
+                 metrics_fn: Callable[[Any, Any], Mapping[str, Any]], num_batches: int,
+                 micro_batches: int = 1):
         self.model, self.policy = model, policy
         self.input_fn, self.metrics_fn = input_fn, metrics_fn
-        self.num_batches = num_batches
+        self.num_batches, self.micro_batches = num_batches, micro_batches
         self.forget()
 
     def forget(self) -> None:
@@ -53,10 +56,18 @@ class Evaluation:
 
     def _eval_batch(self, batch: Any) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
         """One eval batch's metrics and its number of examples."""
-        outputs = forward(self.model, self.policy, tracing.hook(self.input_fn)(batch), training=False)
+        outputs = in_micro_batches(
+            lambda inputs: forward(self.model, self.policy, inputs, training=False),
+            tracing.hook(self.input_fn)(batch), self.micro_batches)
         metrics = {name: tf.cast(value, tf.float32)
                    for name, value in tracing.hook(self.metrics_fn)(outputs, batch).items()}
         return metrics, tf.shape(tf.nest.flatten(batch)[0])[0]
+
+
+def micro_batches(config: Any) -> int:
+    """The forwards per eval batch `config.eval.micro_batches` asks: 0 takes the train step's
+    micro-batches (so eval's activations are no larger than one train micro-batch's)."""
+    return config.eval.micro_batches or config.train.accumulation_steps
 
 
 @contextlib.contextmanager

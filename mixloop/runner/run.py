@@ -28,7 +28,7 @@ from mixloop.engine.step import TrainStep
 from mixloop.engine import tracing
 from mixloop.errors import UserError
 from mixloop.runner import (auto_precision, building, checkpointing, compile_mode, distribution,
-                            evaluation, exporting, precision_setup, reporting, train_data, workdir)
+                            evaluation, exporting, memory_plan, precision_setup, reporting, train_data, workdir)
 from mixloop.runner.inner_loop import InnerLoop, Totals, numpy_totals
 from mixloop.runner.state import RunState
 from mixloop.runner.workdir import check_layout
@@ -63,6 +63,11 @@ class Run:
         config = self.config
         reporting.show_info_by_default()  # Progress from a script or notebook too.
         self.strategy = distribution.make_strategy(config.distribution)
+        # The budget's plan (micro-batches, compile mode) before anything reads them.
+        self.config, self.memory_plan = memory_plan.planned(
+            config, self.workdir, type(self.trainer), self.strategy.num_replicas_in_sync,
+            accelerator=distribution.has_accelerator())
+        config = self.config
         keras.utils.set_random_seed(config.seed)
         if config.deterministic:
             tf.config.experimental.enable_op_determinism()
@@ -101,7 +106,8 @@ class Run:
                 accumulation_dtype=config.train.accumulation_dtype,
             )
             self.evaluation = evaluation.Evaluation(self.model, self.policy, self.input_fn,
-                                                    self.trainer.eval_metrics, config.eval.num_batches)
+                                                    self.trainer.eval_metrics, config.eval.num_batches,
+                                                    evaluation.micro_batches(config))
             building.check_objectives(self.objectives, self.model, config)
             # Before the data and the first trace, so compute_loss and build_datasets may read it.
             self.research_state = building.checked_extra_state(self.trainer.extra_state())

@@ -201,8 +201,8 @@ def making_room(directory: str, place: str = "--workdir") -> str:
 
 
 # The prefixes of the probes' temporary folders in a workdir (`scratch_folder`): the compile-mode
-# probe's saved state, the precision probe's data position.
-SCRATCH_PREFIXES = (".compile-probe-", ".precision-probe-")
+# probe's saved state, the precision probe's data position, the memory probes' runs.
+SCRATCH_PREFIXES = (".compile-probe-", ".precision-probe-", ".memory-probe-")
 
 
 def scratch_folder(directory: str, prefix: str) -> "tempfile.TemporaryDirectory[str]":

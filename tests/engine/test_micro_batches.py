@@ -9,8 +9,8 @@ import tensorflow as tf
 import mixloop
 from mixloop.engine.accumulators import Accumulators
 from mixloop.engine.gradients import Partition
-from mixloop.engine.micro_batches import (MicroBatches, batch_divided, micro_batch_at,
-                                          micro_batch_loop, split_micro_batches)
+from mixloop.engine.micro_batches import (MicroBatches, batch_divided, in_micro_batches,
+                                          micro_batch_at, micro_batch_loop, split_micro_batches)
 from mixloop.engine.micro_step import MicroStep
 from mixloop.engine.objective import Objective
 from mixloop.engine.policy import Policy
@@ -38,6 +38,42 @@ def test_the_loop_runs_one_micro_batch_at_a_time_in_order():
                         ).get_concrete_function().graph
     loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
     assert loops and all(op.get_attr("parallel_iterations") == 1 for op in loops)
+
+
+def test_a_forward_in_micro_batches_is_the_whole_batch_s_one_micro_batch_at_a_time():
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5, activation="relu")])
+    batch = {"x": tf.random.normal([8, 3]), "mask": tf.ones([8])}
+    calls = []
+
+    def forward(inputs):
+        calls.append(inputs["x"].shape[0])
+        return {"y": model(inputs["x"]), "mask": inputs["mask"]}
+
+    whole = forward(batch)
+    calls.clear()
+    chunked = tf.function(lambda b: in_micro_batches(forward, b, 4))(batch)
+    assert calls == [2, 2]  # Traced for the first micro-batch and for the loop's body.
+    np.testing.assert_allclose(chunked["y"], whole["y"], rtol=1e-6)
+    assert chunked["mask"].shape == (8,)
+    graph = tf.function(lambda b: in_micro_batches(forward, b, 4)).get_concrete_function(batch).graph
+    loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    assert loops and all(op.get_attr("parallel_iterations") == 1 for op in loops)
+
+
+def test_a_forward_in_micro_batches_falls_back_to_the_whole_batch():
+    batch = tf.random.normal([6, 2])
+    calls = []
+
+    def total(x):  # No batch dimension in its output: chunks cannot be concatenated.
+        calls.append(x.shape[0])
+        return tf.reduce_sum(x)
+
+    assert float(in_micro_batches(total, batch, 3)) == pytest.approx(float(tf.reduce_sum(batch)), rel=1e-5)
+    assert calls == [2, 6]
+    calls.clear()
+    in_micro_batches(total, batch, 4)  # 6 does not split into 4.
+    assert calls == [6]
 
 
 def test_four_micro_batches_accumulate_the_whole_batch_gradient():

@@ -1,0 +1,272 @@
+"""The memory budget's plan (mixloop/runner/memory_plan.py): the budget's syntax, the choice among
+micro-batch counts on made-up probes, the record a resume takes, and end to end through the CLI on
+wide_activations_experiment, whose peak grows with the micro-batch."""
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+import cli_runs
+from mixloop import config as config_lib
+from mixloop.errors import ConfigError, UserError
+from mixloop.runner import memory_plan
+
+MIB = 2**20
+WIDE_CONFIG = os.path.join(cli_runs.FIXTURES_DIR, "wide_activations_experiment.py")
+
+
+@pytest.mark.parametrize("value, parsed", [
+    ("6GiB", ("bytes", 6 * 2**30)), ("1500MiB", ("bytes", 1500 * MIB)), ("8GB", ("bytes", 8 * 10**9)),
+    ("1.5 GiB", ("bytes", int(1.5 * 2**30))), ("0.6", ("fraction", 0.6)), ("1", ("fraction", 1.0)),
+    ("0", None), ("1.5", None), ("6 apples", None), ("GiB", None), ("-1GiB", None)])
+def test_budget_syntax(value, parsed):
+    assert config_lib.parse_memory_budget(value) == parsed
+
+
+def test_a_bad_budget_is_one_line_naming_the_key():
+    config = config_lib.base_config()
+    config.trainer = "tiny_experiment.TinyTrainer"
+    config.train.memory_budget = "6 apples"
+    with pytest.raises(ConfigError, match=r"train.memory_budget.*'6 apples'.*'6GiB'"):
+        config_lib.validate(config)
+
+
+def test_a_fraction_is_of_the_available_ram_and_refused_on_an_accelerator(monkeypatch):
+    monkeypatch.setattr(memory_plan.machine, "available_memory", lambda: 10 * 2**30)
+    assert memory_plan.budget_bytes("0.5", accelerator=False) == 5 * 2**30
+    assert memory_plan.budget_bytes("3GiB", accelerator=True) == 3 * 2**30
+    with pytest.raises(ConfigError, match="give bytes"):
+        memory_plan.budget_bytes("0.5", accelerator=True)
+
+
+def test_micro_batch_counts_are_the_per_replica_divisors_from_the_configured_up():
+    assert memory_plan.micro_batch_counts(64, 1, 1) == [1, 2, 4, 8, 16, 32, 64]
+    assert memory_plan.micro_batch_counts(48, 2, 3) == [3, 4, 6, 8, 12, 24]
+
+
+def _linear_probes(floor_mib, per_example_mib, batch_size, asked):
+    """A measure whose peak is floor + per_example x micro-batch, recording what it was asked."""
+    def measure(k, recompute):
+        assert recompute == ""
+        asked.append(k)
+        return memory_plan.Probe(peak=int((floor_mib + per_example_mib * batch_size // k) * MIB),
+                                 state_bytes=10 * MIB, jit_compile=False)
+    return measure
+
+
+def test_a_budget_forces_the_fewest_micro_batches_that_fit():
+    asked = []
+    # 500 + 10 x micro-batch: 1,140 MiB at 64 examples, 820 at 32, 660 at 16.
+    k, recompute, probe = memory_plan.choose([1, 2, 4, 8, 16, 32, 64], 64, 700 * MIB,
+                                             _linear_probes(500, 10, 64, asked))
+    assert (k, recompute, probe.peak) == (4, "", 660 * MIB)
+    assert asked == [64, 4]  # The smallest, then a quarter of the batch: the fit is exact.
+
+
+def test_a_fit_that_was_wrong_steps_down_to_the_next_count():
+    asked = []
+    peaks = {64: 900, 16: 905, 8: 910, 4: 960, 2: 1200, 1: 1500}  # Flat, then steep: not a line.
+
+    def measure(k, recompute):
+        asked.append(k)
+        return memory_plan.Probe(peak=peaks[k] * MIB, state_bytes=0, jit_compile=True)
+
+    k, _, probe = memory_plan.choose([1, 2, 4, 8, 16, 64], 64, 1000 * MIB, measure)
+    assert (k, probe.peak) == (4, 960 * MIB)
+    assert asked == [64, 4]  # 4 is the quarter: measured under the budget at once.
+    asked.clear()
+    k, _, _ = memory_plan.choose([1, 2, 4, 8, 16, 64], 64, 950 * MIB, measure)
+    # The line through 64 and 4 predicts 1 and 2 over 950: 8 is tried, and fits.
+    assert k == 8 and asked == [64, 4, 8]
+
+
+def test_no_count_fits_is_one_line_with_the_budget_that_would():
+    with pytest.raises(UserError) as raised:
+        memory_plan.choose([1, 2, 4], 4, 400 * MIB, _linear_probes(500, 10, 4, []))
+    line = str(raised.value)
+    assert "\n" not in line
+    assert "cannot hold this run: even 1 example(s) per micro-batch peak at 510 MiB" in line
+    assert "persistent state 10 MiB" in line and "at least 510 MiB" in line
+
+
+def _planned_config(budget="2GiB"):
+    config = config_lib.base_config()
+    config.train.batch_size = 64
+    config.train.memory_budget = budget
+    return config
+
+
+class _Trainer:
+    pass
+
+
+def test_a_resume_takes_the_recorded_plan_and_a_changed_budget_plans_again(tmp_path, monkeypatch):
+    config = _planned_config()
+    recorded = memory_plan.Plan(accumulation_steps=4, recompute="", jit_compile=False,
+                                predicted_peak=900 * MIB,
+                                budget=2 * 2**30, planned_for=memory_plan.planned_for(config))
+    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"memory_plan": recorded.as_record()}}))
+
+    def measured(*args):
+        measured.calls += 1
+        return memory_plan.Plan(8, "dense", True, 700 * MIB, 2**30, memory_plan.planned_for(args[0]))
+    measured.calls = 0
+    monkeypatch.setattr(memory_plan, "_measure_plan", measured)
+    planned, plan = memory_plan.planned(config, str(tmp_path), _Trainer, 1, False)
+    assert plan == recorded and measured.calls == 0
+    assert (planned.train.accumulation_steps, planned.jit_compile) == (4, False)
+    assert config.train.accumulation_steps == 1  # The config given is left as it was.
+
+    changed = _planned_config("1GiB")
+    planned, plan = memory_plan.planned(changed, str(tmp_path), _Trainer, 1, False)
+    assert measured.calls == 1 and planned.train.accumulation_steps == 8
+    assert planned.train.recompute == "dense"
+
+
+def test_without_a_budget_nothing_is_planned(tmp_path):
+    config = config_lib.base_config()
+    assert memory_plan.planned(config, str(tmp_path), _Trainer, 1, False) == (config, None)
+
+
+def test_several_workers_and_a_script_s_trainer_are_refused_in_one_line(tmp_path):
+    config = _planned_config()
+    config.distribution = "multi_worker"
+    with pytest.raises(ConfigError, match="multi_worker"):
+        memory_plan.planned(config, str(tmp_path), _Trainer, 1, False)
+
+    class Local:
+        pass
+    with pytest.raises(UserError, match="define the Trainer in a module"):
+        memory_plan.planned(_planned_config(), str(tmp_path), Local, 1, False)
+
+
+def _run_with_peak(*args):
+    """Runs `python -m mixloop.train args`; its exit code, stderr and the peak RSS in MiB of the
+    process or any it waited for (the probes)."""
+    line, env = cli_runs.command_line("mixloop.train", *args)
+    process = subprocess.Popen(line, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    stderr = process.stderr.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode, stderr, usage.ru_maxrss // 1024
+
+
+@pytest.mark.slow
+def test_a_budget_between_the_probes_peaks_plans_accumulation_and_the_run_stays_under(tmp_path):
+    """wide_activations_experiment's peak grows with the micro-batch (on an AMD EPYC, 64 examples
+    about 1,220 MiB, 1 about 710); a budget of the two extremes' midpoint forces accumulation.
+    Every process the run started (the probes, stopped at the budget, and itself) peaks under it."""
+    directory = tmp_path / "run"
+    probes = {k: memory_plan.run_probe(_wide_config(), k, "", "wide_activations_experiment."
+                                       "WideActivationsTrainer", str(tmp_path / f"k{k}"))
+              for k in (1, 64)}
+    assert probes[1].peak > probes[64].peak + 100 * MIB  # The fixture's activations show.
+    budget_mib = (probes[1].peak + probes[64].peak) // 2 // MIB
+    returncode, stderr, peak_mib = _run_with_peak(
+        f"--config={WIDE_CONFIG}", f"--workdir={directory}",
+        f"--config.train.memory_budget={budget_mib}MiB")
+    assert returncode == 0, stderr[-2000:]
+    assert "(measured): " in stderr
+    plan = json.loads((directory / "config.json").read_text())["resolved"]["memory_plan"]
+    assert plan["accumulation_steps"] > 1
+    assert plan["predicted_peak"] <= budget_mib * MIB
+    own_peak = int(re.search(r"Peak memory of this process: ([\d,]+) MiB", stderr)[1].replace(",", ""))
+    assert own_peak <= budget_mib
+    # A probe is stopped once its resident set passes the budget (read every 20 ms): by then a
+    # last allocation may have taken it a little past.
+    assert peak_mib <= budget_mib * 1.1
+    assert not list(directory.glob(".memory-probe-*"))  # The probes' folders are gone.
+
+    # A resume keeps the plan unprobed; a changed budget plans again, in one line.
+    longer = f"--config.train.num_steps={_wide_config().train.num_steps + 2}"
+    result = cli_runs.run("mixloop.train", f"--config={WIDE_CONFIG}", f"--workdir={directory}",
+                          f"--config.train.memory_budget={budget_mib}MiB", longer, prefix=["env"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "as config.json records for this workdir" in result.stderr
+    assert "Memory probe" not in result.stderr
+    result = cli_runs.run("mixloop.train", f"--config={WIDE_CONFIG}", f"--workdir={directory}",
+                          f"--config.train.memory_budget={budget_mib + 1}MiB", longer, prefix=["env"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "planning again" in result.stderr and "Memory probe" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_budget_no_plan_fits_is_one_error_line_and_exit_2(tmp_path):
+    directory = tmp_path / "run"
+    result = cli_runs.run("mixloop.train", f"--config={WIDE_CONFIG}", f"--workdir={directory}",
+                          "--config.train.memory_budget=100MiB", prefix=["env"])
+    assert result.returncode == 2
+    (line,) = cli_runs.error_lines(result)
+    assert "config.train.memory_budget=100 MiB cannot hold this run" in line
+    assert "give a budget of at least" in line
+    assert "Traceback" not in result.stderr
+    assert not directory.exists() or not list(directory.iterdir())
+
+
+def _wide_config():
+    import wide_activations_experiment
+
+    return wide_activations_experiment.get_config()
+
+
+def _probes_with_recompute(peaks, seconds, asked):
+    """A measure from tables by (k, recompute), whose smallest micro-batch's probe lists two layers
+    of 4 and 2 MiB per example."""
+    layers = ({"path": "mlp", "bytes_per_example": 4 * MIB, "cost_per_example": 8.0},
+              {"path": "norm", "bytes_per_example": 2 * MIB, "cost_per_example": 1.0})
+
+    def measure(k, recompute):
+        asked.append((k, recompute))
+        return memory_plan.Probe(peak=peaks[k, recompute] * MIB, state_bytes=0, jit_compile=False,
+                                 seconds_per_update=seconds.get((k, recompute), 1.0), layers=layers)
+    return measure
+
+
+def test_recompute_is_chosen_when_one_micro_batch_fewer_with_it_is_faster():
+    # 16 examples, plain 500 + 10 MiB per example of a micro-batch.
+    peaks = {(16, ""): 510, (4, ""): 540, (2, ""): 580, (1, ""): 660, (2, "norm"): 570,
+             (2, "norm|mlp"): 530}
+    asked = []
+    k, recompute, probe = memory_plan.choose(
+        [1, 2, 4, 8, 16], 16, 566 * MIB,
+        _probes_with_recompute(peaks, {(4, ""): 2.0, (2, "norm|mlp"): 1.5}, asked))
+    # Fewest plain: 4 (540 MiB, 2.0 s). One fewer, 2: fitted 580 needs 14 MiB over 8 examples, so
+    # "norm" (cheapest per byte, 2 MiB counted); it saved 10 of the 16 counted: scaled, both.
+    assert (k, recompute, probe.peak) == (2, "norm|mlp", 530 * MIB)
+    assert asked == [(16, ""), (4, ""), (2, "norm"), (2, "norm|mlp")]
+
+
+def test_plain_accumulation_is_kept_when_recompute_is_slower_or_cannot_save_enough():
+    peaks = {(16, ""): 510, (4, ""): 540, (2, ""): 580, (1, ""): 660, (2, "norm"): 556}
+    k, recompute, _ = memory_plan.choose(
+        [1, 2, 4, 8, 16], 16, 566 * MIB,
+        _probes_with_recompute(peaks, {(4, ""): 1.0, (2, "norm"): 1.4}, []))
+    assert (k, recompute) == (4, "")
+    # Steeper, 30 MiB per example: a budget of 515 fits 16 micro-batches only; 8 would need
+    # (510 + 30 x 1 - 515) / 2 = 12.5 MiB per example, more than both layers hold.
+    peaks[4, ""] = 600
+    k, recompute, _ = memory_plan.choose(
+        [1, 2, 4, 8, 16], 16, 515 * MIB, _probes_with_recompute(peaks, {}, []))
+    assert (k, recompute) == (16, "")
+
+
+def test_when_no_count_fits_as_configured_recompute_at_the_most_can():
+    peaks = {(4, ""): 900, (4, "norm|mlp"): 890}
+    asked = []
+    k, recompute, _ = memory_plan.choose([1, 2, 4], 4, 896 * MIB,
+                                         _probes_with_recompute(peaks, {}, asked))
+    assert (k, recompute) == (4, "norm|mlp")  # 4 MiB to save: norm's 2, then mlp's 4.
+    assert asked == [(4, ""), (4, "norm|mlp")]
+
+
+def test_headroom_keeps_a_plan_a_margin_under_the_budget():
+    # 500 + 10 x micro-batch; a budget of 690: 4 micro-batches (660) fit it, but not 5% under.
+    k, _, probe = memory_plan.choose([1, 2, 4, 8, 16, 32, 64], 64, 690 * MIB,
+                                     _linear_probes(500, 10, 64, []), headroom=0.05)
+    assert (k, probe.peak) == (8, 580 * MIB)
+    with pytest.raises(UserError, match="at least 537 MiB"):  # 510 / 0.95.
+        memory_plan.choose([1, 2, 4], 4, 400 * MIB, _linear_probes(500, 10, 4, []), headroom=0.05)
