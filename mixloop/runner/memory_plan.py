@@ -45,7 +45,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import ml_collections
 from absl import logging
 
-from mixloop import machine
+from mixloop import interrupts, machine
 from mixloop.config import AUTO, parse_memory_budget
 from mixloop.doctor import activations
 from mixloop.errors import ConfigError, UserError
@@ -345,6 +345,7 @@ def _measure_plan(config: ml_collections.ConfigDict, directory: str, trainer_pat
     counts = micro_batch_counts(config.train.batch_size, num_replicas,
                                 config.train.accumulation_steps)
     per_replica = config.train.batch_size // num_replicas
+    interrupts.unwind_from_here()  # A stop kills the probe and removes its folder, then exits.
     with workdir_lib.scratch_folder(directory, SCRATCH_PREFIX) as scratch:
         def measure(k: int, recompute: str) -> Probe:
             folder = os.path.join(scratch, f"probe-{len(os.listdir(scratch))}")

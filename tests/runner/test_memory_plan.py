@@ -5,7 +5,9 @@ wide_activations_experiment, whose peak grows with the micro-batch."""
 import json
 import os
 import re
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -270,3 +272,27 @@ def test_headroom_keeps_a_plan_a_margin_under_the_budget():
     assert (k, probe.peak) == (8, 580 * MIB)
     with pytest.raises(UserError, match="at least 537 MiB"):  # 510 / 0.95.
         memory_plan.choose([1, 2, 4], 4, 400 * MIB, _linear_probes(500, 10, 4, []), headroom=0.05)
+
+
+@pytest.mark.slow
+def test_a_stop_during_the_probes_ends_them_in_one_line_and_leaves_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()  # The probes' scratch folder goes inside an existing workdir.
+    line, env = cli_runs.command_line("mixloop.train", f"--config={WIDE_CONFIG}",
+                                      f"--workdir={workdir}", "--config.train.memory_budget=2GiB")
+    log = tmp_path / "stderr"
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(line, env=env, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=stderr)
+        for _ in range(1200):  # The first probe is measured: the second is running.
+            if "Memory probe" in log.read_text() or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 143
+    assert cli_runs.error_lines(subprocess.CompletedProcess(line, 143, "", log.read_text())) == [
+        "error: interrupted by SIGTERM before training started; nothing was written"]
+    probes = subprocess.run(["pgrep", "-f", f"mixloop.tools.memory_probe {workdir}"],
+                            capture_output=True, text=True)
+    assert probes.stdout == ""  # No probe outlives the run.
+    assert list(workdir.iterdir()) == []  # Its scratch folder removed.
