@@ -448,3 +448,19 @@ def test_the_chart_goes_beside_the_json():
     assert benchmark.chart_path("runs/speed.json") == "runs/speed.png"
     assert benchmark.chart_path("speed") == "speed.png"
     assert benchmark.chart_path("speed.png") == "speed.png.png"  # Never the JSON's own path.
+
+
+def test_mixloop_over_the_bare_loop_compares_one_micro_batch_each():
+    """The bare loop takes the whole batch at once: its ratio pairs it with mixloop at one
+    micro-batch, in the same compile mode, not with the configured run's two."""
+    config = tiny_experiment.get_config()  # Two micro-batches.
+    config.jit_compile = True
+    variants = [benchmark_variants.Variant(name, *benchmark_variants.settings_of(changed),
+                                           lambda: None)
+                for name, changed in benchmark_variants.mixloop_configs(config).items()]
+    variants += [benchmark_variants.Variant(name, "mixed_float16", 1, "none", xla, False, False,
+                                            lambda: None)
+                 for name, xla in (("bare", True), ("bare jit_compile=False", False))]
+    mixloop, bare = benchmark_results.like_for_like_bare(variants, config)
+    assert (mixloop.accumulation_steps, mixloop.xla, mixloop.loss_scale) == (1, True, "dynamic")
+    assert mixloop.name == "mixloop accumulation_steps=1" and bare.name == "bare"
