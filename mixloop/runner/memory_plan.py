@@ -10,7 +10,8 @@ goes through (the first trace and compile, the update, eval, the save, the expor
 the first is stopped once its resident set passes the budget, so none holds more than the run may.
 The plan::
 
-    the micro-batch counts: the per-replica batch's divisors from train.accumulation_steps up
+    the micro-batch counts: the per-replica batch's divisors from train.accumulation_steps up to
+        MAX_MICRO_BATCHES
     probe the smallest micro-batch (unstopped: its peak is the least budget any count fits) and
         the one nearest a quarter of the batch; fit peak = floor + slope x micro-batch
     plain: from the fewest micro-batches up, the first whose fitted peak is under the budget is
@@ -62,7 +63,10 @@ OVER_BUDGET = 2**62
 # A plan's probe must peak this fraction under the budget: a run of many updates, evaluations and
 # saves peaked up to 3.5% above its two-update probe (docs/memory.md).
 HEADROOM = 0.05
-WATCH_SECONDS = 0.02  # How often a probe's resident set is read against the budget.
+WATCH_SECONDS = 0.02
+# The most micro-batches a plan chooses: charlm at width 512 ran 2x slower per update at 256 than at
+# 4 (graph mode), and XLA's step crashed at 256 micro-batches of one example (docs/memory.md).
+MAX_MICRO_BATCHES = 64  # How often a probe's resident set is read against the budget.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +113,11 @@ def budget_bytes(value: str, accelerator: bool) -> int:
 
 def micro_batch_counts(batch_size: int, num_replicas: int, configured: int) -> list[int]:
     """The accumulation steps a plan may choose, fewest first: every divisor of the per-replica
-    batch from `configured` up (more micro-batches never makes a run faster)."""
+    batch from `configured` up (more micro-batches never makes a run faster) to MAX_MICRO_BATCHES
+    (or the configured count, when it is more)."""
     per_replica = batch_size // num_replicas
-    return [k for k in range(configured, per_replica + 1) if per_replica % k == 0]
+    most = max(configured, MAX_MICRO_BATCHES)
+    return [k for k in range(configured, min(per_replica, most) + 1) if per_replica % k == 0]
 
 
 def planned_for(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -464,6 +470,10 @@ def run_probe(config: ml_collections.ConfigDict, accumulation_steps: int, recomp
         lines = log.read().splitlines()
     result = os.path.join(directory, "result.json")
     if stopped or process.returncode == -signal.SIGKILL:  # Over the budget, or the OOM killer.
+        return Probe(peak=OVER_BUDGET, state_bytes=0, jit_compile=config.jit_compile)
+    if process.returncode < 0:  # A crash of TensorFlow's (a segmentation fault): not a plan.
+        logging.warning("The memory probe of %d micro-batch(es) crashed (%s): left out of the plan",
+                        accumulation_steps, signal.Signals(-process.returncode).name)
         return Probe(peak=OVER_BUDGET, state_bytes=0, jit_compile=config.jit_compile)
     if process.returncode or not os.path.exists(result):
         said = [line for line in lines if line.startswith("error:")]

@@ -47,6 +47,8 @@ def test_a_fraction_is_of_the_available_ram_and_refused_on_an_accelerator(monkey
 def test_micro_batch_counts_are_the_per_replica_divisors_from_the_configured_up():
     assert memory_plan.micro_batch_counts(64, 1, 1) == [1, 2, 4, 8, 16, 32, 64]
     assert memory_plan.micro_batch_counts(48, 2, 3) == [3, 4, 6, 8, 12, 24]
+    assert memory_plan.micro_batch_counts(256, 1, 1)[-1] == memory_plan.MAX_MICRO_BATCHES == 64
+    assert memory_plan.micro_batch_counts(256, 1, 128) == [128]  # More than 64 only as configured.
 
 
 def _linear_probes(floor_mib, per_example_mib, batch_size, asked):
