@@ -27,6 +27,31 @@ def test_the_mean_counts_each_batch_by_its_examples():
         eval_step.mean_metrics(data.take(0))
 
 
+def test_the_forward_runs_in_the_train_steps_micro_batches_and_the_metrics_see_the_whole_batch():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, activation="gelu")])
+    data = tf.data.Dataset.from_tensor_slices(np.random.default_rng(0).normal(
+        size=(12, 2)).astype("float32")).batch(6)  # A last batch of 6 too: both split in 3.
+    seen = []
+
+    def metrics(outputs, batch):
+        seen.append(outputs.shape[0])  # The whole batch's outputs, put back together.
+        return {"mean": tf.reduce_mean(outputs), "max": tf.reduce_max(outputs)}
+
+    policy = mixloop.Policy.from_string("float32")
+    whole = evaluation.Evaluation(model, policy, lambda b: b, metrics, 0, micro_batches=1)
+    split = evaluation.Evaluation(model, policy, lambda b: b, metrics, 0, micro_batches=3)
+    assert split.mean_metrics(data) == pytest.approx(whole.mean_metrics(data), rel=1e-6)
+    assert set(seen) == {6}
+    graph = split.step.get_concrete_function(tf.TensorSpec([6, 2])).graph
+    assert any(op.type in ("While", "StatelessWhile") for op in graph.get_operations())
+    config = mixloop.config.base_config()
+    config.train.accumulation_steps = 4
+    assert evaluation.micro_batches(config) == 4
+    config.eval.micro_batches = 1
+    assert evaluation.micro_batches(config) == 1
+
+
 def test_the_averages_are_swapped_in_and_the_trained_weights_back():
     weight = keras.Variable([1.0, 2.0])
     average = ExponentialMovingAverage([weight], 0.5)
