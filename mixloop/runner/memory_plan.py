@@ -63,10 +63,10 @@ OVER_BUDGET = 2**62
 # A plan's probe must peak this fraction under the budget: a run of many updates, evaluations and
 # saves peaked up to 3.5% above its two-update probe (docs/memory.md).
 HEADROOM = 0.05
-WATCH_SECONDS = 0.02
+WATCH_SECONDS = 0.02  # How often a probe's resident set is read against the budget.
 # The most micro-batches a plan chooses: charlm at width 512 ran 2x slower per update at 256 than at
 # 4 (graph mode), and XLA's step crashed at 256 micro-batches of one example (docs/memory.md).
-MAX_MICRO_BATCHES = 64  # How often a probe's resident set is read against the budget.
+MAX_MICRO_BATCHES = 64
 
 
 @dataclasses.dataclass(frozen=True)
