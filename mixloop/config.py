@@ -225,7 +225,7 @@ def parse_memory_budget(value: str) -> Any:
     number, unit = float(match.group(1)), match.group(2).upper()
     if not unit:
         return ("fraction", number) if 0 < number <= 1 else None
-    if unit not in _BYTE_UNITS or number <= 0:
+    if unit not in _BYTE_UNITS or number * _BYTE_UNITS[unit] < 1:
         return None
     return ("bytes", int(number * _BYTE_UNITS[unit]))
 

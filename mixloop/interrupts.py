@@ -13,10 +13,11 @@ its next boundary (`ProbeStopped`); in `python -m mixloop.train`, one during the
 probe's compilation ends the process at once, nothing saved (`ProbeAbandoned`).
 """
 
+import contextlib
 import os
 import signal
 import sys
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 # The commands whose signals end them in one line, and when a signal comes for each.
 COMMANDS = {"mixloop.train": "before training started",
@@ -105,6 +106,22 @@ def unwind_from_here() -> None:
         handler = signal.getsignal(signal_number)
         if isinstance(handler, _QuietExit):
             handler.unwinds = True
+
+
+@contextlib.contextmanager
+def unwinding() -> Iterator[None]:
+    """`unwind_from_here` for the `with` block only (the memory plan's probes: a child process and
+    a folder to clean up); afterwards a signal ends the starting command at once again."""
+    handlers = [handler for handler in map(signal.getsignal, _DEFAULT_HANDLERS)
+                if isinstance(handler, _QuietExit)]
+    before = [handler.unwinds for handler in handlers]
+    for handler in handlers:
+        handler.unwinds = True
+    try:
+        yield
+    finally:
+        for handler, unwinds in zip(handlers, before):
+            handler.unwinds = unwinds
 
 
 def _flush_quietly(stream) -> None:

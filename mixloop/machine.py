@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import platform
+from typing import Any
 
 
 def cpu() -> dict[str, str]:
@@ -54,10 +56,16 @@ def release_free_memory() -> None:
     elsewhere). TensorFlow on a CPU allocates through malloc, which keeps what a traced graph or a
     larger earlier step freed: without this, a checkpoint save after the train loop grows the
     resident set past the loop's peak instead of reusing those pages (docs/memory.md)."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # Not glibc (musl, macOS).
-        trim = None
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None (another C library: musl, macOS); looked up once."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None

@@ -22,7 +22,8 @@ import tensorflow as tf
 
 from mixloop.engine.layer_precision import named_layers
 
-# Ops that create no activation of their own: reading a variable, a cast of a weight, shapes.
+# Ops that create no activation of their own: reading a variable, identities, shapes, constants
+# (a weight's cast is left out by its shape: it has no batch dimension).
 _NOT_ACTIVATIONS = {"ReadVariableOp", "Identity", "Shape", "Const", "Placeholder", "NoOp"}
 
 

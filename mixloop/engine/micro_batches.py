@@ -63,14 +63,17 @@ def in_micro_batches(fn: Callable[[Batch], Any], batch: Batch, num_micro_batches
     """`fn(batch)` computed one micro-batch at a time (so one micro-batch's activations are alive
     at once), its outputs concatenated along the batch: what `fn(batch)` returns for a `fn` that
     treats examples independently (a model's forward at inference). `fn(batch)` itself when the
-    batch's static size does not split into `num_micro_batches`, or an output has no batch
-    dimension."""
+    batch's static size does not split into `num_micro_batches`, a part of the batch or of the
+    outputs is not a dense tensor, or the outputs' shapes are not the whole batch's outputs' cut
+    along the batch (an output that couples examples, such as a [B, B] similarity)."""
     size = _static_batch_size(batch)
     if num_micro_batches == 1 or size is None or size % num_micro_batches:
         return fn(batch)
     parts = split_micro_batches(batch, num_micro_batches)
     first = fn(micro_batch_at(parts, 0))
-    if _static_batch_size(first) != size // num_micro_batches:
+    whole = _output_shapes(fn, batch)
+    if whole is None or _static_batch_size(first) != size // num_micro_batches or whole != [
+            [size, *t.shape[1:]] for t in tf.nest.flatten(first)]:
         return fn(batch)
     arrays = tf.nest.map_structure(
         lambda t: tf.TensorArray(t.dtype, size=num_micro_batches, element_shape=t.shape).write(0, t),
@@ -83,12 +86,27 @@ def in_micro_batches(fn: Callable[[Batch], Any], batch: Batch, num_micro_batches
                                                  fn(micro_batch_at(parts, i))),
         arrays, start=start)
     return tf.nest.map_structure(
-        lambda array, t: tf.reshape(array.stack(), [size, *t.shape[1:]]), arrays, first)
+        lambda array, t: tf.ensure_shape(array.concat(), [size, *t.shape[1:]]), arrays, first)
+
+
+def _output_shapes(fn: Callable[[Batch], Any], batch: Batch) -> Any:
+    """The shapes (as lists) of `fn(batch)`'s outputs, from a trace of its own (nothing of it
+    runs or joins the caller's graph); None for an output that is not a dense tensor."""
+    outputs = tf.function(fn, autograph=False).get_concrete_function(
+        tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), batch)).structured_outputs
+    leaves = tf.nest.flatten(outputs)
+    if not all(isinstance(t, tf.Tensor) for t in leaves):
+        return None
+    return [t.shape.as_list() for t in leaves]
 
 
 def _static_batch_size(structure: Any) -> Any:
-    """The batch (first) dimension every tensor of `structure` shares statically, else None."""
-    sizes = {t.shape[0] if t.shape.rank else None for t in tf.nest.flatten(structure)}
+    """The batch (first) dimension every leaf of `structure` shares statically, else None (a
+    leaf that is not a dense tensor: ragged, sparse, None)."""
+    leaves = tf.nest.flatten(structure)
+    if not leaves or not all(isinstance(t, tf.Tensor) for t in leaves):
+        return None
+    sizes = {t.shape[0] if t.shape.rank else None for t in leaves}
     return sizes.pop() if len(sizes) == 1 else None
 
 

@@ -114,5 +114,6 @@ def describe(strategy: tf.distribute.Strategy) -> str:
 
 
 def has_accelerator() -> bool:
-    """Whether this process sees a GPU or TPU (whose memory a run's peak is measured in)."""
-    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
+    """Whether this machine has a GPU or TPU (whose memory a run's peak is measured in); it
+    starts no device."""
+    return bool(tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU"))

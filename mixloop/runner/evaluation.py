@@ -66,7 +66,8 @@ class Evaluation:
 
 def micro_batches(config: Any) -> int:
     """The forwards per eval batch `config.eval.micro_batches` asks: 0 takes the train step's
-    micro-batches (so eval's activations are no larger than one train micro-batch's)."""
+    number of micro-batches (so an eval batch as large as the train batch, on one replica, holds
+    no more activations than a train micro-batch)."""
     return config.eval.micro_batches or config.train.accumulation_steps
 
 

@@ -47,9 +47,10 @@ import ml_collections
 from absl import logging
 
 from mixloop import interrupts, machine
-from mixloop.config import AUTO, parse_memory_budget
+from mixloop.config import AUTO, compiles, parse_memory_budget
 from mixloop.doctor import activations
 from mixloop.errors import ConfigError, UserError
+from mixloop.runner import compile_mode, distribution
 from mixloop.runner import workdir as workdir_lib
 
 KEY = "memory_plan"  # Its key in config.json's `resolved` record.
@@ -102,7 +103,11 @@ def budget_bytes(value: str, accelerator: bool) -> int:
     Raises:
       ConfigError: for a fraction on a GPU or TPU, whose memory the budget cannot read.
     """
-    kind, amount = parse_memory_budget(value)
+    parsed = parse_memory_budget(value)
+    if parsed is None:  # A config that did not go through validate() (a Trainer built in Python).
+        raise ConfigError(f"config.train.memory_budget={value!r} is not allowed: bytes with a unit "
+                          "such as '6GiB', or a fraction in (0, 1] of the available RAM such as '0.6'")
+    kind, amount = parsed
     if kind == "bytes":
         return amount
     if accelerator:
@@ -120,9 +125,13 @@ def micro_batch_counts(batch_size: int, num_replicas: int, configured: int) -> l
     return [k for k in range(configured, min(per_replica, most) + 1) if per_replica % k == 0]
 
 
-def planned_for(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def planned_for(config: ml_collections.ConfigDict, num_replicas: int) -> dict[str, Any]:
     """The settings a plan holds for: what changes the memory a run takes."""
     return json.loads(json.dumps({
+        "replicas": num_replicas,
+        "optimizer.name": config.optimizer.name,
+        "train.ema_decay": config.train.ema_decay,
+        "train.batch_loss": config.train.batch_loss,
         "train.memory_budget": config.train.memory_budget,
         "train.batch_size": config.train.batch_size,
         "train.accumulation_steps": config.train.accumulation_steps,
@@ -167,17 +176,21 @@ def choose(counts: list[int], batch_size: int, budget: int,
         return probes[k, recompute]
 
     smallest = probed(counts[-1])
+    if smallest.peak == OVER_BUDGET:  # Killed or crashed: nothing to fit a line to.
+        raise UserError(cannot_fit(budget, smallest, batch_size // counts[-1], configured_mode,
+                                   headroom))
     if len(counts) > 1 and smallest.peak <= limit:  # A second point, far enough to show the slope.
         probed(min(counts[:-1], key=lambda k: abs(batch_size // k - batch_size // 4)))
     plain = _fewest_that_fit(counts, batch_size, limit, probes, probed, configured_recompute)
     fewer = counts.index(plain.accumulation_steps) - 1 if plain else len(counts) - 1
     recomputed = None
     if fewer >= 0:
-        fitted = _fitted_peak(probes, configured_recompute, batch_size, batch_size // counts[fewer])
-        recomputed = _with_recompute(counts[fewer], batch_size, limit, fitted, smallest.layers,
+        measured = probes.get((counts[fewer], configured_recompute))
+        peak = (measured.peak if measured and measured.peak != OVER_BUDGET else
+                _fitted_peak(probes, configured_recompute, batch_size, batch_size // counts[fewer]))
+        recomputed = _with_recompute(counts[fewer], batch_size, limit, peak, smallest.layers,
                                      configured_recompute, probed)
-    if recomputed and (plain is None or recomputed.probe.seconds_per_update
-                       < plain.probe.seconds_per_update):
+    if recomputed and (plain is None or _faster(recomputed.probe, plain.probe)):
         return recomputed
     if plain:
         return plain
@@ -185,17 +198,26 @@ def choose(counts: list[int], batch_size: int, budget: int,
                                headroom))
 
 
+def _faster(a: Probe, b: Probe) -> bool:
+    """Whether `a` updated faster than `b` (a probe whose data ended before its timing has no
+    speed: never faster)."""
+    return 0 < a.seconds_per_update and (b.seconds_per_update <= 0
+                                         or a.seconds_per_update < b.seconds_per_update)
+
+
 def _fewest_that_fit(counts: list[int], batch_size: int, budget: int, probes: dict,
                      probed: Callable[..., Probe], recompute: str) -> Optional[Choice]:
     """The fewest micro-batches whose probe fits, trying only those the line fitted so far
-    predicts to fit (each new probe refits it); None when the most do not."""
+    predicts to fit, and none as large as a micro-batch already over (each new probe refits the
+    line); None when the most do not."""
     if probes[counts[-1], recompute].peak > budget:
         return None
     for k in counts:
-        if (k, recompute) in probes and probes[k, recompute].peak > budget:
-            continue
-        if (k, recompute) not in probes and _fitted_peak(
-                probes, recompute, batch_size, batch_size // k) > budget:
+        over = [batch_size // j for (j, r), probe in probes.items()
+                if r == recompute and probe.peak > budget]
+        if (k, recompute) not in probes and (
+                any(batch_size // k >= size for size in over)
+                or _fitted_peak(probes, recompute, batch_size, batch_size // k) > budget):
             continue
         if probed(k).peak <= budget:
             return Choice(k, recompute, probes[k, recompute])
@@ -229,7 +251,7 @@ def _with_recompute(k: int, batch_size: int, budget: int, fitted_peak: float, la
 
 def _fitted_peak(probes: dict, recompute: str, batch_size: int, micro_batch: int) -> float:
     """The peak a line through the probes (with `recompute`) of the smallest micro-batch and of
-    the largest one probed so far predicts for `micro_batch` examples."""
+    the largest one probed so far, stopped ones left out, predicts for `micro_batch` examples."""
     sizes = sorted((batch_size // k, probe.peak) for (k, r), probe in probes.items()
                    if r == recompute and probe.peak != OVER_BUDGET)
     (m0, p0), (m1, p1) = sizes[0], sizes[-1]
@@ -291,20 +313,27 @@ def describe_peak(peak: int, plan: Optional[Plan]) -> str:
 
 
 def planned(config: ml_collections.ConfigDict, directory: str, trainer_class: type,
-            num_replicas: int, accelerator: bool) -> tuple[ml_collections.ConfigDict, Optional[Plan]]:
+            num_replicas: int, own_data: bool = True
+            ) -> tuple[ml_collections.ConfigDict, Optional[Plan]]:
     """`config` as `train.memory_budget` plans it (a copy), and the plan; unchanged and None
     without a budget. Takes config.json's recorded plan when it was made for these settings.
+    `own_data`: the run reads the Trainer's own datasets and metrics (a tool's seams would not
+    reach the probes).
 
     Raises:
       UserError: for a run the planner cannot probe (several workers, a Trainer that does not
-        import by name), one a budget cannot hold, or a probe that fails (its error line).
+        import by name, a tool's data), one a budget cannot hold, or a probe that fails (its
+        error line).
     """
     if not config.train.memory_budget:
         return config, None
     if config.distribution == "multi_worker":
         raise ConfigError("config.train.memory_budget is not supported with "
                           "distribution='multi_worker' yet: plan on one worker, or set it to ''")
-    wanted = planned_for(config)
+    if not own_data:
+        raise ConfigError("config.train.memory_budget plans a run of the Trainer's own "
+                          "build_datasets(): set it to '' for a tool's run (the benchmark)")
+    wanted = planned_for(config, num_replicas)
     recorded = workdir_lib.read_resolved(directory).get(KEY)
     plan = _recorded_plan(recorded) if isinstance(recorded, dict) and \
         recorded.get("planned_for") == wanted else None
@@ -315,18 +344,26 @@ def planned(config: ml_collections.ConfigDict, directory: str, trainer_class: ty
             logging.info("config.train.memory_budget or the settings it planned for changed since "
                          "config.json's plan (%s micro-batch(es)): planning again",
                          recorded.get("accumulation_steps"))
-        plan = _measure_plan(config, directory, _importable(trainer_class), num_replicas, accelerator)
+        plan = _measure_plan(config, directory, _importable(trainer_class), num_replicas,
+                             distribution.has_accelerator())
         source = "measured"
     logging.info("%s", describe(plan, config.train.batch_size // num_replicas, source))
     return applied(config, plan), plan
 
 
 def _recorded_plan(recorded: dict) -> Optional[Plan]:
-    """The plan config.json records, or None for a record no run of this version wrote."""
+    """The plan config.json records, or None for a record no run of this version wrote (or one
+    edited into something no plan is: it is planned again)."""
     try:
-        return Plan(**recorded)
+        plan = Plan(**recorded)
     except TypeError:
         return None
+    valid = (isinstance(plan.accumulation_steps, int) and plan.accumulation_steps >= 1
+             and isinstance(plan.recompute, str) and compiles(plan.recompute)
+             and isinstance(plan.predicted_peak, int) and plan.predicted_peak > 0
+             and isinstance(plan.budget, int) and plan.budget > 0
+             and compile_mode.is_mode(plan.jit_compile))
+    return plan if valid else None
 
 
 def applied(config: ml_collections.ConfigDict, plan: Plan) -> ml_collections.ConfigDict:
@@ -351,15 +388,15 @@ def _measure_plan(config: ml_collections.ConfigDict, directory: str, trainer_pat
     counts = micro_batch_counts(config.train.batch_size, num_replicas,
                                 config.train.accumulation_steps)
     per_replica = config.train.batch_size // num_replicas
-    interrupts.unwind_from_here()  # A stop kills the probe and removes its folder, then exits.
-    with workdir_lib.scratch_folder(directory, SCRATCH_PREFIX) as scratch:
+    # A stop kills the probe and removes its folder, then exits.
+    with interrupts.unwinding(), workdir_lib.scratch_folder(directory, SCRATCH_PREFIX) as scratch:
         def measure(k: int, recompute: str) -> Probe:
             folder = os.path.join(scratch, f"probe-{len(os.listdir(scratch))}")
             try:
                 # The smallest micro-batch unstopped: its peak is the least budget that fits.
                 smallest = (k, recompute) == (counts[-1], config.train.recompute)
                 probe = run_probe(config, k, recompute, trainer_path, folder,
-                                  None if smallest else budget)
+                                  None if smallest or accelerator else budget, layers=smallest)
             except UserError as error:
                 if recompute == config.train.recompute:
                     raise
@@ -378,7 +415,7 @@ def _measure_plan(config: ml_collections.ConfigDict, directory: str, trainer_pat
                         config.jit_compile, HEADROOM)
     return Plan(accumulation_steps=choice.accumulation_steps, recompute=choice.recompute,
                 jit_compile=choice.probe.jit_compile, predicted_peak=choice.probe.peak,
-                budget=budget, planned_for=planned_for(config))
+                budget=budget, planned_for=planned_for(config, num_replicas))
 
 
 def _watched(process: subprocess.Popen, budget: Optional[int]) -> bool:
@@ -413,7 +450,7 @@ def _importable(trainer_class: type) -> str:
       UserError: for a class defined in a script or a function, which no other process imports.
     """
     module, name = trainer_class.__module__, trainer_class.__qualname__
-    if module == "__main__" or "<locals>" in name:
+    if module == "__main__" or "." in name:  # A script's, a function's or a nested class.
         raise UserError(f"config.train.memory_budget probes the run in processes of their own, which "
                         f"cannot import {name} (defined in {module}); define the Trainer in a module "
                         f"and name it in config.trainer, or set the budget to ''")
@@ -442,22 +479,30 @@ def probe_config(config: ml_collections.ConfigDict, accumulation_steps: int, rec
 
 
 def run_probe(config: ml_collections.ConfigDict, accumulation_steps: int, recompute: str,
-              trainer_path: str, directory: str, budget: Optional[int] = None) -> Probe:
+              trainer_path: str, directory: str, budget: Optional[int] = None,
+              layers: bool = False) -> Probe:
     """Runs the probe of `accumulation_steps` micro-batches and `train.recompute=recompute` in a
     process of its own, in `directory`; what it measured. A probe whose resident set passes
     `budget` is stopped there (so no probe holds more than the run may), as is one the kernel
-    kills: its peak is OVER_BUDGET.
+    kills: its peak is OVER_BUDGET. With `layers`, it also traces each layer's activations (after
+    its peak is read).
 
     Raises:
       UserError: with the probe's own error line, or its last words when it died.
     """
     os.makedirs(directory, exist_ok=True)
     request = os.path.join(directory, "probe.pickle")
-    with open(request, "wb") as file:
-        pickle.dump({"config": probe_config(config, accumulation_steps, recompute,
-                                            trainer_path).to_dict(),
-                     "sys_path": sys.path, "timed_updates": TIMED_UPDATES}, file)
-    with open(os.path.join(directory, "probe.log"), "w+") as log:
+    try:
+        with open(request, "wb") as file:
+            pickle.dump({"config": probe_config(config, accumulation_steps, recompute,
+                                                trainer_path).to_dict(),
+                         "sys_path": sys.path, "timed_updates": TIMED_UPDATES, "layers": layers},
+                        file)
+    except (pickle.PicklingError, TypeError, AttributeError) as error:
+        raise UserError(f"config.train.memory_budget sends the config to its probes, but a value "
+                        f"of the config does not pickle ({error}); keep the config to plain "
+                        "values, or set the budget to ''") from None
+    with open(os.path.join(directory, "probe.log"), "w+", errors="replace") as log:
         process = subprocess.Popen([sys.executable, "-m", PROBE_MODULE, request],
                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -63,16 +63,16 @@ class Run:
         config = self.config
         reporting.show_info_by_default()  # Progress from a script or notebook too.
         self.strategy = distribution.make_strategy(config.distribution)
+        building.check_replica_batch(config, self.strategy.num_replicas_in_sync)
         # The budget's plan (micro-batches, compile mode) before anything reads them.
         self.config, self.memory_plan = memory_plan.planned(
             config, self.workdir, type(self.trainer), self.strategy.num_replicas_in_sync,
-            accelerator=distribution.has_accelerator())
+            own_data=self._datasets is None and self._train_metrics is None)
         config = self.config
         keras.utils.set_random_seed(config.seed)
         if config.deterministic:
             tf.config.experimental.enable_op_determinism()
         self.is_chief = distribution.is_chief(self.strategy)
-        building.check_replica_batch(config, self.strategy.num_replicas_in_sync)
         auto_precision.check_replicas(config, self.strategy.num_replicas_in_sync)
         # None until `compile_mode.choose` measures it (jit_compile="auto").
         self.jit_compile, compile_reason = compile_mode.configured(

@@ -53,7 +53,8 @@ def test_a_forward_in_micro_batches_is_the_whole_batch_s_one_micro_batch_at_a_ti
     whole = forward(batch)
     calls.clear()
     chunked = tf.function(lambda b: in_micro_batches(forward, b, 4))(batch)
-    assert calls == [2, 2]  # Traced for the first micro-batch and for the loop's body.
+    # Traced for the first micro-batch, for the whole batch's shapes and for the loop's body.
+    assert calls == [2, 8, 2]
     np.testing.assert_allclose(chunked["y"], whole["y"], rtol=1e-6)
     assert chunked["mask"].shape == (8,)
     graph = tf.function(lambda b: in_micro_batches(forward, b, 4)).get_concrete_function(batch).graph
@@ -70,10 +71,18 @@ def test_a_forward_in_micro_batches_falls_back_to_the_whole_batch():
         return tf.reduce_sum(x)
 
     assert float(in_micro_batches(total, batch, 3)) == pytest.approx(float(tf.reduce_sum(batch)), rel=1e-5)
-    assert calls == [2, 6]
+    assert calls == [2, 6, 6]
     calls.clear()
     in_micro_batches(total, batch, 4)  # 6 does not split into 4.
     assert calls == [6]
+
+    def similarities(x):  # [B, B]: its rows are not the micro-batches' rows put together.
+        return tf.matmul(x, x, transpose_b=True)
+
+    np.testing.assert_allclose(in_micro_batches(similarities, batch, 3), similarities(batch),
+                               rtol=1e-6)
+    ragged = tf.ragged.constant([[1.0], [2.0, 3.0], [4.0], [5.0]])
+    assert in_micro_batches(lambda r: r.row_lengths(), ragged, 2).numpy().tolist() == [1, 2, 1, 1]
 
 
 def test_four_micro_batches_accumulate_the_whole_batch_gradient():

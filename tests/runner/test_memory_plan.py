@@ -111,40 +111,40 @@ def test_a_resume_takes_the_recorded_plan_and_a_changed_budget_plans_again(tmp_p
     config = _planned_config()
     recorded = memory_plan.Plan(accumulation_steps=4, recompute="", jit_compile=False,
                                 predicted_peak=900 * MIB,
-                                budget=2 * 2**30, planned_for=memory_plan.planned_for(config))
+                                budget=2 * 2**30, planned_for=memory_plan.planned_for(config, 1))
     (tmp_path / "config.json").write_text(json.dumps({"resolved": {"memory_plan": recorded.as_record()}}))
 
     def measured(*args):
         measured.calls += 1
-        return memory_plan.Plan(8, "dense", True, 700 * MIB, 2**30, memory_plan.planned_for(args[0]))
+        return memory_plan.Plan(8, "dense", True, 700 * MIB, 2**30, memory_plan.planned_for(args[0], 1))
     measured.calls = 0
     monkeypatch.setattr(memory_plan, "_measure_plan", measured)
-    planned, plan = memory_plan.planned(config, str(tmp_path), _Trainer, 1, False)
+    planned, plan = memory_plan.planned(config, str(tmp_path), _Trainer, 1)
     assert plan == recorded and measured.calls == 0
     assert (planned.train.accumulation_steps, planned.jit_compile) == (4, False)
     assert config.train.accumulation_steps == 1  # The config given is left as it was.
 
     changed = _planned_config("1GiB")
-    planned, plan = memory_plan.planned(changed, str(tmp_path), _Trainer, 1, False)
+    planned, plan = memory_plan.planned(changed, str(tmp_path), _Trainer, 1)
     assert measured.calls == 1 and planned.train.accumulation_steps == 8
     assert planned.train.recompute == "dense"
 
 
 def test_without_a_budget_nothing_is_planned(tmp_path):
     config = config_lib.base_config()
-    assert memory_plan.planned(config, str(tmp_path), _Trainer, 1, False) == (config, None)
+    assert memory_plan.planned(config, str(tmp_path), _Trainer, 1) == (config, None)
 
 
 def test_several_workers_and_a_script_s_trainer_are_refused_in_one_line(tmp_path):
     config = _planned_config()
     config.distribution = "multi_worker"
     with pytest.raises(ConfigError, match="multi_worker"):
-        memory_plan.planned(config, str(tmp_path), _Trainer, 1, False)
+        memory_plan.planned(config, str(tmp_path), _Trainer, 1)
 
     class Local:
         pass
     with pytest.raises(UserError, match="define the Trainer in a module"):
-        memory_plan.planned(_planned_config(), str(tmp_path), Local, 1, False)
+        memory_plan.planned(_planned_config(), str(tmp_path), Local, 1)
 
 
 def _run_with_peak(*args):
@@ -298,3 +298,43 @@ def test_a_stop_during_the_probes_ends_them_in_one_line_and_leaves_nothing(tmp_p
                             capture_output=True, text=True)
     assert probes.stdout == ""  # No probe outlives the run.
     assert list(workdir.iterdir()) == []  # Its scratch folder removed.
+
+
+def test_a_stopped_probe_bounds_the_counts_tried_and_a_killed_first_one_is_the_error():
+    stopped = memory_plan.OVER_BUDGET // MIB
+    peaks = {(16, ""): 510, (4, ""): stopped, (8, ""): 530, (4, "norm|mlp"): 600}
+    asked = []
+    k, recompute, _ = memory_plan.choose([1, 2, 4, 8, 16], 16, 560 * MIB,
+                                         _probes_with_recompute(peaks, {}, asked))
+    # 1 and 2 micro-batches (16 and 8 examples) are larger than the 4 examples that were stopped:
+    # not probed; the line through 510 alone says 8 fits, and it does. Then 4 with recompute, by
+    # the line through 510 and 530 (570 at 4 examples): over, and too far over for a second try.
+    assert (k, recompute) == (8, "")
+    assert asked == [(16, ""), (4, ""), (8, ""), (4, "norm|mlp")]
+    with pytest.raises(UserError, match="was killed before it finished"):
+        memory_plan.choose([1, 2], 2, 560 * MIB,
+                           _probes_with_recompute({(2, ""): stopped}, {}, []))
+
+
+def test_a_probe_without_a_speed_is_never_the_faster():
+    slow, unknown = (memory_plan.Probe(1, 0, False, seconds_per_update=s) for s in (2.0, 0.0))
+    assert memory_plan._faster(slow, unknown) and not memory_plan._faster(unknown, slow)
+
+
+def test_a_record_no_run_writes_is_planned_again_and_a_tool_s_data_refused(tmp_path, monkeypatch):
+    config = _planned_config()
+    broken = memory_plan.Plan(accumulation_steps=0, recompute="", jit_compile=False,
+                              predicted_peak=900 * MIB, budget=2 * 2**30,
+                              planned_for=memory_plan.planned_for(config, 1))
+    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"memory_plan": broken.as_record()}}))
+    fresh = memory_plan.Plan(2, "", False, 800 * MIB, 2 * 2**30, memory_plan.planned_for(config, 1))
+    monkeypatch.setattr(memory_plan, "_measure_plan", lambda *args: fresh)
+    assert memory_plan.planned(config, str(tmp_path), _Trainer, 1)[1] == fresh
+    with pytest.raises(ConfigError, match="Trainer's own build_datasets"):
+        memory_plan.planned(config, str(tmp_path), _Trainer, 1, own_data=False)
+
+
+def test_a_budget_too_small_to_be_bytes_is_refused():
+    assert config_lib.parse_memory_budget("0.1B") is None
+    with pytest.raises(ConfigError, match="'6GiB'"):
+        memory_plan.budget_bytes("lots", accelerator=False)
