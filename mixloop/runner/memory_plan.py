@@ -12,8 +12,9 @@ The plan::
 
     the micro-batch counts: the per-replica batch's divisors from train.accumulation_steps up to
         MAX_MICRO_BATCHES
-    probe the smallest micro-batch (unstopped: its peak is the least budget any count fits) and
-        the one nearest a quarter of the batch; fit peak = floor + slope x micro-batch
+    probe the smallest micro-batch (unstopped) and the one nearest a quarter of the batch; fit
+        peak = floor + slope x micro-batch (the smallest is not always the lightest: a float16
+        run's precision probe at the start weighs more with more micro-batches)
     plain: from the fewest micro-batches up, the first whose fitted peak is under the budget is
         probed; under the budget, it is the plain plan; over, the line is fitted again with it
         and the next is tried
@@ -22,7 +23,7 @@ The plan::
         per-layer activations, cheapest recomputation per byte first (doctor/activations.py),
         probed; a second choice scaled by what the first really saved
     the faster of the two by their probes' seconds per update; neither: one error line with the
-        least budget that fits and what takes the memory (the persistent state, the rest)
+        lightest probe's peak (the least budget known to fit) and what takes the memory
 
 The plan is recorded in config.json's `resolved` record: a resume with the same budget and
 settings takes it unprobed; a changed budget plans again, in one line. With jit_compile="auto" the
@@ -179,7 +180,7 @@ def choose(counts: list[int], batch_size: int, budget: int,
     if smallest.peak == OVER_BUDGET:  # Killed or crashed: nothing to fit a line to.
         raise UserError(cannot_fit(budget, smallest, batch_size // counts[-1], configured_mode,
                                    headroom))
-    if len(counts) > 1 and smallest.peak <= limit:  # A second point, far enough to show the slope.
+    if len(counts) > 1:  # A second point, far enough to show the slope.
         probed(min(counts[:-1], key=lambda k: abs(batch_size // k - batch_size // 4)))
     plain = _fewest_that_fit(counts, batch_size, limit, probes, probed, configured_recompute)
     fewer = counts.index(plain.accumulation_steps) - 1 if plain else len(counts) - 1
@@ -194,8 +195,11 @@ def choose(counts: list[int], batch_size: int, budget: int,
         return recomputed
     if plain:
         return plain
-    raise UserError(cannot_fit(budget, smallest, batch_size // counts[-1], configured_mode,
-                               headroom))
+    # The lightest probe names the least budget: the smallest micro-batch is not always it (a
+    # float16 run's precision probe weighs more with more micro-batches).
+    k, lightest = min(((k, probe) for (k, r), probe in probes.items() if r == configured_recompute),
+                      key=lambda item: item[1].peak)
+    raise UserError(cannot_fit(budget, lightest, batch_size // k, configured_mode, headroom))
 
 
 def _faster(a: Probe, b: Probe) -> bool:
@@ -208,20 +212,18 @@ def _faster(a: Probe, b: Probe) -> bool:
 def _fewest_that_fit(counts: list[int], batch_size: int, budget: int, probes: dict,
                      probed: Callable[..., Probe], recompute: str) -> Optional[Choice]:
     """The fewest micro-batches whose probe fits, trying only those the line fitted so far
-    predicts to fit, and none as large as a micro-batch already over (each new probe refits the
-    line); None when the most do not."""
-    if probes[counts[-1], recompute].peak > budget:
-        return None
+    predicts to fit, and none as large as a micro-batch already over but the smallest (each new
+    probe refits the line); None when none does."""
     for k in counts:
         over = [batch_size // j for (j, r), probe in probes.items()
-                if r == recompute and probe.peak > budget]
+                if r == recompute and probe.peak > budget and j != counts[-1]]
         if (k, recompute) not in probes and (
                 any(batch_size // k >= size for size in over)
                 or _fitted_peak(probes, recompute, batch_size, batch_size // k) > budget):
             continue
         if probed(k).peak <= budget:
             return Choice(k, recompute, probes[k, recompute])
-    raise AssertionError("the most micro-batches fit, so a count does")  # pragma: no cover
+    return None
 
 
 def _with_recompute(k: int, batch_size: int, budget: int, fitted_peak: float, layers: tuple,

@@ -259,12 +259,12 @@ def test_plain_accumulation_is_kept_when_recompute_is_slower_or_cannot_save_enou
 
 
 def test_when_no_count_fits_as_configured_recompute_at_the_most_can():
-    peaks = {(4, ""): 900, (4, "norm|mlp"): 890}
+    peaks = {(4, ""): 900, (2, ""): 950, (4, "norm|mlp"): 890}
     asked = []
     k, recompute, _ = memory_plan.choose([1, 2, 4], 4, 896 * MIB,
                                          _probes_with_recompute(peaks, {}, asked))
     assert (k, recompute) == (4, "norm|mlp")  # 4 MiB to save: norm's 2, then mlp's 4.
-    assert asked == [(4, ""), (4, "norm|mlp")]
+    assert asked == [(4, ""), (2, ""), (4, "norm|mlp")]  # 1 micro-batch, larger than 2's: not tried.
 
 
 def test_headroom_keeps_a_plan_a_margin_under_the_budget():
@@ -338,3 +338,14 @@ def test_a_budget_too_small_to_be_bytes_is_refused():
     assert config_lib.parse_memory_budget("0.1B") is None
     with pytest.raises(ConfigError, match="'6GiB'"):
         memory_plan.budget_bytes("lots", accelerator=False)
+
+
+def test_a_heavier_smallest_micro_batch_does_not_end_the_plan():
+    # A float16 run's precision probe weighed more with 64 micro-batches than with 4.
+    peaks = {(16, ""): 1700, (4, ""): 1100, (8, ""): 1600, (2, ""): 1300, (1, ""): 1500}
+    k, _, probe = memory_plan.choose([1, 2, 4, 8, 16], 16, 1200 * MIB,
+                                     _probes_with_recompute(peaks, {}, []))
+    assert (k, probe.peak) == (4, 1100 * MIB)
+    with pytest.raises(UserError, match="even 4 example"):  # The lightest probe's micro-batch.
+        memory_plan.choose([1, 2, 4, 8, 16], 16, 1000 * MIB, _probes_with_recompute(
+            {**peaks, (4, "norm|mlp"): 1090, (16, "norm|mlp"): 1650}, {}, []))
