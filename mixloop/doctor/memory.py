@@ -20,7 +20,7 @@ import pickle
 import resource
 import sys
 import traceback
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import keras
 import tensorflow as tf
@@ -48,8 +48,25 @@ def peak_bytes() -> int:
                for index in range(len(tf.config.list_logical_devices(kind)))]
     if devices:
         return max(tf.config.experimental.get_memory_info(device)["peak"] for device in devices)
+    high_water = _high_water_mark()
+    if high_water is not None:
+        return high_water
     unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, kilobytes on Linux.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+
+
+def _high_water_mark() -> Optional[int]:
+    """This process's peak resident set since it started its program (Linux's VmHWM), or None
+    off Linux. Not `ru_maxrss`, which Linux carries across exec: a process started by a large one
+    (a run's memory probes, a test worker's commands) would report its parent's peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def format_bytes(num_bytes: float) -> str:

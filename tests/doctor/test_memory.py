@@ -3,6 +3,8 @@ peak of a process, and of a process of its own; the start line and `memory/peak_
 
 import glob
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import keras
@@ -225,3 +227,13 @@ def test_a_run_built_with_a_lighter_setting_keeps_what_it_was_counted_to(tmp_pat
                                       {"precision.master_weights": "bfloat16",
                                        "optimizer.state_dtype": "bfloat16",
                                        "train.accumulation_dtype": "bfloat16"}])
+
+
+def test_a_process_started_by_a_larger_one_reports_its_own_peak():
+    """Linux carries ru_maxrss across exec: a run's memory probe, started by a run (or a test
+    worker) holding more, reported its parent's peak as its own."""
+    ballast = np.ones(1500 * 2**20 // 8)  # 1.5 GiB, every page touched.
+    child = subprocess.run(
+        [sys.executable, "-c", "from mixloop.doctor import memory; print(memory.peak_bytes())"],
+        capture_output=True, text=True, check=True)
+    assert int(child.stdout.split()[-1]) < ballast.nbytes
