@@ -147,30 +147,26 @@ def test_several_workers_and_a_script_s_trainer_are_refused_in_one_line(tmp_path
         memory_plan.planned(_planned_config(), str(tmp_path), Local, 1)
 
 
-def _run_with_peak(*args):
-    """Runs `python -m mixloop.train args`; its exit code, stderr and the peak RSS in MiB of the
-    process or any it waited for (the probes)."""
+def _run(*args):
+    """Runs `python -m mixloop.train args` in a fresh interpreter; its exit code and stderr."""
     line, env = cli_runs.command_line("mixloop.train", *args)
-    process = subprocess.Popen(line, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
-    stderr = process.stderr.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    return process.returncode, stderr, usage.ru_maxrss // 1024
+    finished = subprocess.run(line, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, timeout=600)
+    return finished.returncode, finished.stderr
 
 
 @pytest.mark.slow
 def test_a_budget_between_the_probes_peaks_plans_accumulation_and_the_run_stays_under(tmp_path):
     """wide_activations_experiment's peak grows with the micro-batch (on an AMD EPYC, 64 examples
     about 1,220 MiB, 1 about 710); a budget of the two extremes' midpoint forces accumulation.
-    Every process the run started (the probes, stopped at the budget, and itself) peaks under it."""
+    The run peaks under it, and so does every probe that finished but the first."""
     directory = tmp_path / "run"
     probes = {k: memory_plan.run_probe(_wide_config(), k, "", "wide_activations_experiment."
                                        "WideActivationsTrainer", str(tmp_path / f"k{k}"))
               for k in (1, 64)}
     assert probes[1].peak > probes[64].peak + 100 * MIB  # The fixture's activations show.
     budget_mib = (probes[1].peak + probes[64].peak) // 2 // MIB
-    returncode, stderr, peak_mib = _run_with_peak(
+    returncode, stderr = _run(
         f"--config={WIDE_CONFIG}", f"--workdir={directory}",
         f"--config.train.memory_budget={budget_mib}MiB")
     assert returncode == 0, stderr[-2000:]
@@ -180,9 +176,12 @@ def test_a_budget_between_the_probes_peaks_plans_accumulation_and_the_run_stays_
     assert plan["predicted_peak"] <= budget_mib * MIB
     own_peak = int(re.search(r"Peak memory of this process: ([\d,]+) MiB", stderr)[1].replace(",", ""))
     assert own_peak <= budget_mib
-    # A probe is stopped once its resident set passes the budget (read every 20 ms): by then a
-    # last allocation may have taken it a little past.
-    assert peak_mib <= budget_mib * 1.1
+    # Every probe but the first (the smallest micro-batch) is stopped once over the budget, read
+    # every 20 ms: one that ended within those may have passed it by its last allocation.
+    probe_peaks = [int(peak.replace(",", "")) for peak in
+                   re.findall(r"Memory probe: .* peak at ([\d,]+) MiB", stderr)]
+    assert len(probe_peaks) >= 2
+    assert all(peak <= budget_mib * 1.05 for peak in probe_peaks[1:]), (probe_peaks, budget_mib)
     assert not list(directory.glob(".memory-probe-*"))  # The probes' folders are gone.
 
     # A resume keeps the plan unprobed; a changed budget plans again, in one line.
